@@ -1,0 +1,161 @@
+"""Config loading: defaults <- YAML file (with ``_BASE_``) <- command-line ``KEY VALUE`` pairs.
+
+``load_cfg`` is the single entry point the tools use. Every mistake (missing file, YAML
+syntax error, unknown key, wrong type, invalid value) is a :class:`ConfigError` whose
+message names the file or key and what to do.
+"""
+from __future__ import annotations
+
+import ast
+import difflib
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import yaml
+from fvcore.common.config import CfgNode
+
+from pet.config.defaults import get_default_cfg
+from pet.utils.errors import ConfigError
+
+__all__ = ["CfgNode", "get_default_cfg", "load_cfg", "merge_opts", "default_output_dir"]
+
+
+def load_cfg(cfg_file: str | None, opts: Sequence[str] = (), *, freeze: bool = True) -> CfgNode:
+    """Build the run's config from the defaults, ``cfg_file`` and ``opts`` (``KEY VALUE ...``)."""
+    cfg = get_default_cfg()
+    if cfg_file:
+        _merge_dict(cfg, _read_yaml(cfg_file), source=cfg_file)
+    merge_opts(cfg, opts)
+    if not cfg.CKPT:
+        cfg.CKPT = default_output_dir(cfg_file)
+    validate_cfg(cfg)
+    if freeze:
+        cfg.freeze()
+    return cfg
+
+
+def merge_opts(cfg: CfgNode, opts: Sequence[str]) -> None:
+    """Merge ``["SOLVER.BASE_LR", "0.01", ...]`` into ``cfg``; values are Python literals."""
+    opts = list(opts)
+    if len(opts) % 2:
+        raise ConfigError(f"Command-line overrides must be KEY VALUE pairs; got an odd list: {opts}")
+    nested: dict[str, Any] = {}
+    for key, raw in zip(opts[0::2], opts[1::2]):
+        node = nested
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = _parse_literal(raw)
+    _merge_dict(cfg, nested, source="command line")
+
+
+def default_output_dir(cfg_file: str | None) -> str:
+    """``ckpts/<path of cfg_file under cfgs/, without .yaml>`` (the file stem outside cfgs/)."""
+    if not cfg_file:
+        return os.path.join("ckpts", "default")
+    parts = os.path.normpath(os.path.abspath(cfg_file)).split(os.sep)
+    if "cfgs" in parts:
+        idx = len(parts) - 1 - parts[::-1].index("cfgs")
+        rel = os.path.join(*parts[idx + 1 :])
+    else:
+        rel = os.path.basename(cfg_file)
+    return os.path.join("ckpts", os.path.splitext(rel)[0])
+
+
+def validate_cfg(cfg: CfgNode) -> None:
+    """Reject values that would only fail later, deep inside training."""
+    solver = cfg.SOLVER
+    checks = [
+        (solver.BASE_LR > 0, f"SOLVER.BASE_LR must be > 0, got {solver.BASE_LR}"),
+        (solver.IMS_PER_BATCH > 0, f"SOLVER.IMS_PER_BATCH must be > 0, got {solver.IMS_PER_BATCH}"),
+        (cfg.TEST.IMS_PER_BATCH > 0, f"TEST.IMS_PER_BATCH must be > 0, got {cfg.TEST.IMS_PER_BATCH}"),
+        (solver.MAX_ITER > 0 or solver.MAX_EPOCHS > 0,
+         "Set SOLVER.MAX_ITER (iteration mode) or SOLVER.MAX_EPOCHS (epoch mode) to a positive value"),
+        (solver.MAX_EPOCHS >= 0, f"SOLVER.MAX_EPOCHS must be >= 0, got {solver.MAX_EPOCHS}"),
+        (solver.WARMUP_ITERS >= 0, f"SOLVER.WARMUP_ITERS must be >= 0, got {solver.WARMUP_ITERS}"),
+        (solver.OPTIMIZER in ("SGD", "AdamW"), f"SOLVER.OPTIMIZER must be SGD or AdamW, got '{solver.OPTIMIZER}'"),
+        (solver.LR_POLICY in ("step", "cosine"), f"SOLVER.LR_POLICY must be step or cosine, got '{solver.LR_POLICY}'"),
+        (solver.AMP.DTYPE in ("bfloat16", "float16"),
+         f"SOLVER.AMP.DTYPE must be bfloat16 or float16, got '{solver.AMP.DTYPE}'"),
+        (cfg.DEVICE in ("auto", "cpu", "cuda"), f"DEVICE must be auto, cpu or cuda, got '{cfg.DEVICE}'"),
+        (cfg.DISPLAY_ITER > 0, f"DISPLAY_ITER must be > 0, got {cfg.DISPLAY_ITER}"),
+        (cfg.DATA.ON_BAD_IMAGE in ("error", "skip"),
+         f"DATA.ON_BAD_IMAGE must be error or skip, got '{cfg.DATA.ON_BAD_IMAGE}'"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+def _read_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"Config file not found: {path} (pass an existing YAML file to --cfg)")
+    try:
+        loaded = CfgNode.load_yaml_with_base(path, allow_unsafe=False)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"{mark.name}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        raise ConfigError(f"YAML syntax error in {where}: {exc.problem}") from exc
+    except FileNotFoundError as exc:
+        raise ConfigError(f"_BASE_ of {path} not found: {exc.filename}") from exc
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path} must hold a mapping of config keys, got {type(loaded).__name__}")
+    return loaded
+
+
+def _merge_dict(cfg: CfgNode, values: dict, source: str, prefix: str = "") -> None:
+    for key, value in values.items():
+        full_key = prefix + key
+        if key not in cfg:
+            raise ConfigError(f"Unknown config key '{full_key}' in {source}.{_did_you_mean(full_key)}")
+        default = cfg[key]
+        if isinstance(default, CfgNode):
+            if not isinstance(value, dict):
+                raise ConfigError(f"Config key '{full_key}' in {source} is a section; give a mapping, got {value!r}")
+            _merge_dict(default, value, source, prefix=full_key + ".")
+        else:
+            cfg[key] = _coerce(value, default, full_key, source)
+
+
+def _coerce(value: Any, default: Any, full_key: str, source: str) -> Any:
+    if default is None or value is None or type(value) is type(default):
+        return value
+    if isinstance(default, float) and not isinstance(value, bool):
+        # YAML 1.1 reads "1e-3" as a string and "1" as an int; both mean a float here.
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    if isinstance(default, (list, tuple)) and isinstance(value, (list, tuple)):
+        return type(default)(value)
+    if isinstance(default, (list, tuple)) and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        return type(default)([value])
+    raise ConfigError(
+        f"Config key '{full_key}' in {source} expects {type(default).__name__} "
+        f"(default {default!r}), got {type(value).__name__} {value!r}"
+    )
+
+
+def _parse_literal(raw: str) -> Any:
+    try:
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return raw
+
+
+def _all_keys(cfg: CfgNode, prefix: str = "") -> Iterable[str]:
+    for key, value in cfg.items():
+        yield prefix + key
+        if isinstance(value, CfgNode):
+            yield from _all_keys(value, prefix + key + ".")
+
+
+def _did_you_mean(full_key: str) -> str:
+    close = difflib.get_close_matches(full_key, _ALL_KEYS, n=1, cutoff=0.6)
+    return f" Did you mean '{close[0]}'?" if close else " See pet/config/defaults.py for every key."
+
+
+_ALL_KEYS = list(_all_keys(get_default_cfg()))

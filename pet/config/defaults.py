@@ -1,0 +1,271 @@
+"""Every config key Pet knows, with its default and what it means.
+
+A YAML file may only set keys defined here (an unknown key is an error that names
+it), so this file is the complete reference of what can be configured. Sections follow
+the data flow: data -> model -> solver -> train -> hooks -> test.
+"""
+from fvcore.common.config import CfgNode as CN
+
+_C = CN()
+
+# Output directory of a run. Empty: ckpts/<config path under cfgs/ without .yaml>.
+_C.CKPT = ""
+# Log to the terminal and write metrics every DISPLAY_ITER iterations (and at the last one).
+_C.DISPLAY_ITER = 20
+# Random seed for python, numpy and torch; a negative value draws one from the clock.
+_C.SEED = 3
+# Where to run: "auto" (CUDA when available), "cpu" or "cuda".
+_C.DEVICE = "auto"
+# Threads torch may use on the CPU; 0 keeps torch's default.
+_C.NUM_THREADS = 0
+
+# ---------------------------------------------------------------------------------------
+# Data: datasets, decoding and loading
+# ---------------------------------------------------------------------------------------
+_C.DATA = CN()
+# DataLoader worker processes per training/test process.
+_C.DATA.NUM_WORKERS = 2
+# Extra COCO-format datasets registered at start-up, each {name: ..., json: ..., images: ...};
+# they can then be named in TRAIN.DATASETS / TEST.DATASETS.
+_C.DATA.CUSTOM = []
+# Drop training images that have no usable annotation (test images are always kept).
+_C.DATA.FILTER_EMPTY = True
+# What to do with an image that cannot be read or decoded: "error" (stop) or "skip" (count it).
+_C.DATA.ON_BAD_IMAGE = "error"
+# Reject boxes that are degenerate or outside the image instead of clipping them with a warning.
+_C.DATA.STRICT = False
+# Batch images of similar aspect ratio together (less padding).
+_C.DATA.ASPECT_RATIO_GROUPING = True
+
+# Input transforms (opencv). Sizes are in pixels.
+_C.INPUT = CN()
+# Shorter side at training time; one is drawn at random per image when several are given.
+_C.INPUT.MIN_SIZE_TRAIN = (800,)
+# Longest side allowed at training time.
+_C.INPUT.MAX_SIZE_TRAIN = 1333
+# Shorter side at test time.
+_C.INPUT.MIN_SIZE_TEST = 800
+# Longest side allowed at test time.
+_C.INPUT.MAX_SIZE_TEST = 1333
+# Probability of a horizontal flip at training time.
+_C.INPUT.FLIP_PROB = 0.5
+# Pad batched images so height and width are multiples of this.
+_C.INPUT.SIZE_DIVISIBILITY = 32
+
+# ---------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------
+_C.MODEL = CN()
+# Registered name of the detector (see pet.modeling.META_ARCH_REGISTRY).
+_C.MODEL.META_ARCHITECTURE = "FasterRCNN"
+# Number of object classes, background excluded.
+_C.MODEL.NUM_CLASSES = 80
+# Per-channel mean and std of RGB pixels in [0, 255] used to normalise inputs.
+_C.MODEL.PIXEL_MEAN = [123.675, 116.28, 103.53]
+_C.MODEL.PIXEL_STD = [58.395, 57.12, 57.375]
+# Run convolutions in channels-last memory format (much faster backward on CPU).
+_C.MODEL.CHANNELS_LAST = True
+
+_C.MODEL.BACKBONE = CN()
+# torchvision ResNet: resnet18, resnet34, resnet50 or resnet101.
+_C.MODEL.BACKBONE.NAME = "resnet50"
+# Normalisation in the backbone: "FrozenBN", "BN" or "SyncBN".
+_C.MODEL.BACKBONE.NORM = "FrozenBN"
+# Freeze the stem and the first FREEZE_AT-1 residual stages (0: train everything;
+# 2: stem and res2 frozen, as torchvision's trainable_backbone_layers=3).
+_C.MODEL.BACKBONE.FREEZE_AT = 2
+
+_C.MODEL.FPN = CN()
+# Channels of every FPN level.
+_C.MODEL.FPN.OUT_CHANNELS = 256
+
+_C.MODEL.RPN = CN()
+# Anchor sizes per FPN level (one list per level, P2..P6).
+_C.MODEL.RPN.ANCHOR_SIZES = [[32], [64], [128], [256], [512]]
+# Anchor aspect ratios (height / width), shared by every level.
+_C.MODEL.RPN.ASPECT_RATIOS = [0.5, 1.0, 2.0]
+# Proposals kept per level before NMS and in total after NMS, per image.
+_C.MODEL.RPN.PRE_NMS_TOPK_TRAIN = 2000
+_C.MODEL.RPN.PRE_NMS_TOPK_TEST = 1000
+_C.MODEL.RPN.POST_NMS_TOPK_TRAIN = 2000
+_C.MODEL.RPN.POST_NMS_TOPK_TEST = 1000
+_C.MODEL.RPN.NMS_THRESH = 0.7
+# IoU above which an anchor is foreground, below which it is background.
+_C.MODEL.RPN.FG_IOU_THRESH = 0.7
+_C.MODEL.RPN.BG_IOU_THRESH = 0.3
+# Anchors sampled per image for the RPN loss, and the foreground fraction among them.
+_C.MODEL.RPN.BATCH_SIZE_PER_IMAGE = 256
+_C.MODEL.RPN.POSITIVE_FRACTION = 0.5
+
+_C.MODEL.ROI_HEADS = CN()
+# RoIs sampled per image for the box head loss, and the foreground fraction among them.
+_C.MODEL.ROI_HEADS.BATCH_SIZE_PER_IMAGE = 512
+_C.MODEL.ROI_HEADS.POSITIVE_FRACTION = 0.25
+# IoU with a ground-truth box above which a proposal is foreground / below which background.
+_C.MODEL.ROI_HEADS.FG_IOU_THRESH = 0.5
+_C.MODEL.ROI_HEADS.BG_IOU_THRESH = 0.5
+# Test-time post-processing: minimum score, NMS IoU, detections kept per image.
+_C.MODEL.ROI_HEADS.SCORE_THRESH_TEST = 0.05
+_C.MODEL.ROI_HEADS.NMS_THRESH_TEST = 0.5
+_C.MODEL.ROI_HEADS.DETECTIONS_PER_IMAGE = 100
+
+_C.MODEL.ROI_BOX_HEAD = CN()
+# Width of the two fully-connected layers of the box head.
+_C.MODEL.ROI_BOX_HEAD.MLP_DIM = 1024
+# RoIAlign output size and sampling ratio.
+_C.MODEL.ROI_BOX_HEAD.POOLER_RESOLUTION = 7
+_C.MODEL.ROI_BOX_HEAD.POOLER_SAMPLING_RATIO = 2
+
+# ---------------------------------------------------------------------------------------
+# Solver
+# ---------------------------------------------------------------------------------------
+_C.SOLVER = CN()
+# "SGD" or "AdamW".
+_C.SOLVER.OPTIMIZER = "SGD"
+_C.SOLVER.BASE_LR = 0.02
+_C.SOLVER.MOMENTUM = 0.9
+_C.SOLVER.WEIGHT_DECAY = 1e-4
+# Weight decay of normalisation layers' weights and biases.
+_C.SOLVER.WEIGHT_DECAY_NORM = 0.0
+# Iterations to train (iteration mode). Ignored when MAX_EPOCHS > 0.
+_C.SOLVER.MAX_ITER = 90000
+# Epochs to train; > 0 selects epoch mode (MAX_ITER is then derived from the dataset size).
+_C.SOLVER.MAX_EPOCHS = 0
+# Images per iteration summed over all processes.
+_C.SOLVER.IMS_PER_BATCH = 16
+# Learning-rate policy after warm-up: "step" (x GAMMA at each of STEPS) or "cosine".
+_C.SOLVER.LR_POLICY = "step"
+_C.SOLVER.STEPS = (60000, 80000)
+_C.SOLVER.GAMMA = 0.1
+# Linear warm-up from BASE_LR * WARMUP_FACTOR over WARMUP_ITERS iterations.
+_C.SOLVER.WARMUP_ITERS = 1000
+_C.SOLVER.WARMUP_FACTOR = 0.001
+# Clip the global gradient norm to this value (0 disables clipping).
+_C.SOLVER.CLIP_GRAD_NORM = 0.0
+# Skip an iteration whose loss is not finite (counted in the log) instead of stopping.
+_C.SOLVER.SKIP_NONFINITE = False
+
+# Mixed precision: autocast the forward pass.
+_C.SOLVER.AMP = CN()
+_C.SOLVER.AMP.ENABLED = False
+# "bfloat16" (CPU and recent GPUs) or "float16" (GPU, with gradient scaling).
+_C.SOLVER.AMP.DTYPE = "bfloat16"
+
+# ---------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------
+_C.TRAIN = CN()
+# Registered dataset names to train on (concatenated).
+_C.TRAIN.DATASETS = ("shapes_train",)
+# Initial weights (a Pet checkpoint or a torchvision state_dict); not a resume.
+_C.TRAIN.WEIGHTS = ""
+# Continue from CKPT/last_checkpoint when it exists.
+_C.TRAIN.AUTO_RESUME = True
+# Write CKPT/metrics.json (JSON lines).
+_C.TRAIN.SAVE_AS_JSON = True
+# Write TensorBoard event files under CKPT.
+_C.TRAIN.USE_TENSORBOARD = False
+# Extra event writers, each {type: <registry name or dotted path>, <kwarg>: ...}.
+_C.TRAIN.WRITERS = []
+
+# ---------------------------------------------------------------------------------------
+# Hooks
+# ---------------------------------------------------------------------------------------
+_C.HOOKS = CN()
+# Extra hooks, each {type: <registry name or dotted path>, priority: ..., <kwarg>: ...}.
+_C.HOOKS.CUSTOM = []
+
+_C.HOOKS.CHECKPOINT = CN()
+# Save every INTERVAL iterations (or epochs with BY_EPOCH); <= 0 saves only the last.
+_C.HOOKS.CHECKPOINT.INTERVAL = 5000
+_C.HOOKS.CHECKPOINT.BY_EPOCH = False
+# Keep optimizer / scheduler state in regular checkpoints (needed to resume exactly).
+_C.HOOKS.CHECKPOINT.SAVE_OPTIMIZER = True
+_C.HOOKS.CHECKPOINT.SAVE_SCHEDULER = True
+# Directory for checkpoints; empty means CKPT.
+_C.HOOKS.CHECKPOINT.OUT_DIR = ""
+# Keep only the newest MAX_KEEP regular checkpoints (<= 0 keeps all; best ones never count).
+_C.HOOKS.CHECKPOINT.MAX_KEEP = -1
+# Always save after the last iteration.
+_C.HOOKS.CHECKPOINT.SAVE_LAST = True
+# Metric name(s) whose best value is kept as model_best_{metric}.pth; "auto" = first metric.
+_C.HOOKS.CHECKPOINT.SAVE_BEST = []
+# "greater" or "less"; empty infers it from the metric name.
+_C.HOOKS.CHECKPOINT.RULE = ""
+# First step (iteration or epoch) to save; then every INTERVAL.
+_C.HOOKS.CHECKPOINT.SAVE_BEGIN = 0
+# After training, also write a slim copy holding only these top-level keys.
+_C.HOOKS.CHECKPOINT.PUBLISHED_KEYS = []
+
+_C.HOOKS.EMA = CN()
+_C.HOOKS.EMA.ENABLED = False
+# new_ema = (1 - MOMENTUM) * ema + MOMENTUM * weights
+_C.HOOKS.EMA.MOMENTUM = 0.0002
+_C.HOOKS.EMA.INTERVAL = 1
+_C.HOOKS.EMA.BEGIN_ITER = 0
+_C.HOOKS.EMA.BEGIN_EPOCH = 0
+# Raise the momentum early in training: momentum = max(MOMENTUM, (1 + step) / (ANNEAL + step)); 0 disables.
+_C.HOOKS.EMA.ANNEAL_ITERS = 0
+
+_C.HOOKS.EARLY_STOPPING = CN()
+_C.HOOKS.EARLY_STOPPING.ENABLED = False
+# Metric to watch (as put by EvalHook, e.g. "bbox/AP").
+_C.HOOKS.EARLY_STOPPING.MONITOR = "bbox/AP"
+_C.HOOKS.EARLY_STOPPING.RULE = ""
+_C.HOOKS.EARLY_STOPPING.MIN_DELTA = 0.0
+# Validations without improvement before stopping.
+_C.HOOKS.EARLY_STOPPING.PATIENCE = 5
+# Stop as soon as the metric reaches this value (None: never).
+_C.HOOKS.EARLY_STOPPING.STOPPING_THRESHOLD = None
+# Stop when the metric is NaN or infinite.
+_C.HOOKS.EARLY_STOPPING.CHECK_FINITE = True
+# A missing metric is an error instead of a warning.
+_C.HOOKS.EARLY_STOPPING.STRICT = False
+
+_C.HOOKS.EMPTY_CACHE = CN()
+_C.HOOKS.EMPTY_CACHE.ENABLED = False
+_C.HOOKS.EMPTY_CACHE.AFTER_ITER = False
+_C.HOOKS.EMPTY_CACHE.AFTER_EPOCH = True
+
+_C.HOOKS.SYNC_BUFFERS = CN()
+# All-reduce buffers (BN statistics) across processes before validation and at epoch end.
+_C.HOOKS.SYNC_BUFFERS.ENABLED = True
+
+_C.HOOKS.PROFILER = CN()
+_C.HOOKS.PROFILER.ENABLED = False
+# Iterations [start, end) to profile.
+_C.HOOKS.PROFILER.START_ITER = 10
+_C.HOOKS.PROFILER.END_ITER = 15
+# "table" prints the top operators to CKPT/profiler.txt; "tensorboard" writes a trace.
+_C.HOOKS.PROFILER.OUTPUT = "table"
+
+# ---------------------------------------------------------------------------------------
+# Testing
+# ---------------------------------------------------------------------------------------
+_C.TEST = CN()
+_C.TEST.DATASETS = ("shapes_val",)
+# Weights to test; empty means CKPT/model_final.pth.
+_C.TEST.WEIGHTS = ""
+# Images per batch summed over all processes.
+_C.TEST.IMS_PER_BATCH = 1
+# Validate every EVAL_PERIOD iterations (epochs in epoch mode) during training; 0: only at the end.
+_C.TEST.EVAL_PERIOD = 0
+# Extra test hooks (TestHook subclasses), each {type: ..., <kwarg>: ...}.
+_C.TEST.HOOKS = []
+# Iterations excluded from the speed figures at the start of testing.
+_C.TEST.NUM_WARMUP = 5
+# Log the [Testing] progress line every LOG_PERIOD iterations.
+_C.TEST.LOG_PERIOD = 10
+
+# Recompute BatchNorm population statistics from training batches.
+_C.TEST.PRECISE_BN = CN()
+_C.TEST.PRECISE_BN.ENABLED = False
+# Every PERIOD iterations (and at the end of training); 0: only at the end.
+_C.TEST.PRECISE_BN.PERIOD = 0
+# Batches used for the statistics.
+_C.TEST.PRECISE_BN.NUM_ITER = 200
+
+
+def get_default_cfg() -> CN:
+    """A fresh copy of the defaults (callers may mutate it)."""
+    return _C.clone()

@@ -1,0 +1,7 @@
+"""Model-agnostic training and inference machinery."""
+from pet.engine.events import EventStorage, EventWriter, get_event_storage
+from pet.engine.inference import evaluate_on_datasets, inference_on_dataset
+from pet.engine.trainer import Trainer
+
+__all__ = ["EventStorage", "EventWriter", "get_event_storage", "Trainer", "inference_on_dataset",
+           "evaluate_on_datasets"]

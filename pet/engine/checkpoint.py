@@ -1,0 +1,188 @@
+"""Atomic checkpoint files and model-agnostic weight loading.
+
+A checkpoint is written to a temporary file in the same directory, flushed to disk and
+renamed over the target, so a crash or a full disk never leaves a half-written file
+under the final name; ``last_checkpoint`` is replaced the same way, only after its
+checkpoint is complete. Loading uses ``torch.load(weights_only=True)`` unless the
+caller explicitly asks otherwise.
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import random
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+
+from pet.utils.errors import ConfigError, TrainingError
+from pet.utils.table import format_table
+
+__all__ = [
+    "atomic_save",
+    "write_last_checkpoint",
+    "read_last_checkpoint",
+    "load_checkpoint",
+    "load_model_weights",
+    "unwrap_model",
+    "get_rng_state",
+    "set_rng_state",
+]
+
+logger = logging.getLogger(__name__)
+
+LAST_CHECKPOINT = "last_checkpoint"
+_TMP_SUFFIX = ".tmp"
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside DistributedDataParallel / DataParallel wrappers."""
+    return model.module if hasattr(model, "module") and isinstance(model.module, torch.nn.Module) else model
+
+
+def _atomic_write(path: str, write: Any) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}{_TMP_SUFFIX}{os.getpid()}"
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise TrainingError(
+            f"Could not write {path}: {exc.strerror or exc}. The previous checkpoint is intact; "
+            "free disk space or fix the permissions of the output directory (CKPT), then resume."
+        ) from exc
+
+
+def atomic_save(obj: Any, path: str) -> None:
+    """``torch.save(obj, path)`` that never leaves a partial file at ``path``."""
+    _atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def write_last_checkpoint(save_dir: str, filename: str) -> None:
+    """Point ``save_dir/last_checkpoint`` at ``filename`` (a complete checkpoint)."""
+    _atomic_write(os.path.join(save_dir, LAST_CHECKPOINT), lambda f: f.write(filename.encode()))
+
+
+def read_last_checkpoint(save_dir: str) -> str | None:
+    """Path of the newest complete checkpoint in ``save_dir``, or None.
+
+    Leftover temporary files of an interrupted write are removed on the way.
+    """
+    for leftover in glob.glob(os.path.join(save_dir, f"*{_TMP_SUFFIX}*")):
+        logger.warning(f"Removing {leftover}, left by an interrupted checkpoint write")
+        os.remove(leftover)
+    pointer = os.path.join(save_dir, LAST_CHECKPOINT)
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer, encoding="utf-8") as f:
+        name = f.read().strip()
+    path = os.path.join(save_dir, name)
+    if not os.path.isfile(path):
+        raise TrainingError(
+            f"{pointer} names {name}, which does not exist. Restore the file or delete {pointer} to start over."
+        )
+    return path
+
+
+def load_checkpoint(path: str, *, unsafe: bool = False) -> dict[str, Any]:
+    """Load a checkpoint dict on the CPU; ``weights_only=True`` unless ``unsafe``."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"Weights file not found: {path} (train first, or point TEST.WEIGHTS / TRAIN.WEIGHTS at a file)")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=not unsafe)
+    except Exception as exc:  # noqa: BLE001 - torch raises many types for bad files
+        hint = (
+            " It holds objects other than tensors; if you trust its source, load it with --unsafe-load."
+            if "weights_only" in str(exc) and not unsafe
+            else ""
+        )
+        raise ConfigError(f"Cannot load {path}: {type(exc).__name__}: {str(exc).splitlines()[0]}.{hint}") from exc
+
+
+def load_model_weights(model: torch.nn.Module, path: str, *, unsafe: bool = False) -> dict[str, list[str]]:
+    """Load weights into ``model`` (not a resume) and log a table of what did not match.
+
+    Accepts a Pet checkpoint (a dict with ``model``) or a plain ``state_dict``. A model
+    may define ``convert_state_dict(state_dict) -> state_dict`` to translate foreign key
+    names (torchvision classification or detection weights, for example).
+    Returns ``{"missing": [...], "unexpected": [...], "mismatched": [...]}``.
+    """
+    checkpoint = load_checkpoint(path, unsafe=unsafe)
+    state = checkpoint.get("model", checkpoint) if isinstance(checkpoint, dict) else checkpoint
+    if not isinstance(state, dict):
+        raise ConfigError(f"{path} holds no state_dict (found {type(state).__name__})")
+    model = unwrap_model(model)
+    convert = getattr(model, "convert_state_dict", None)
+    if callable(convert):
+        state = convert(state)
+    own = model.state_dict()
+    mismatched = [k for k, v in state.items() if k in own and tuple(own[k].shape) != tuple(v.shape)]
+    for key in mismatched:
+        state.pop(key)
+    result = model.load_state_dict(state, strict=False)
+    report = {
+        "missing": [k for k in result.missing_keys if not k.endswith("num_batches_tracked")],
+        "unexpected": [k for k in result.unexpected_keys if not k.endswith("num_batches_tracked")],
+        "mismatched": mismatched,
+    }
+    logger.info(f"Loaded weights from {path}: {len(state) - len(report['unexpected'])} tensors")
+    if any(report.values()):
+        logger.warning("Keys that did not load:\n" + _key_table(report))
+    return report
+
+
+def _key_table(report: dict[str, list[str]]) -> str:
+    """Group keys by their first two name components so the table stays short."""
+    rows = []
+    for kind, keys in report.items():
+        groups: OrderedDict[str, int] = OrderedDict()
+        for key in keys:
+            prefix = ".".join(key.split(".")[:2])
+            groups[prefix] = groups.get(prefix, 0) + 1
+        rows.extend((kind, prefix + ".*" if count > 1 else prefix, count) for prefix, count in groups.items())
+    return format_table(("status", "keys", "count"), rows)
+
+
+def get_rng_state() -> dict[str, Any]:
+    """Python, numpy and torch RNG states in a form ``weights_only`` loading accepts."""
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(_as_python_state(state["python"]))
+    np_state = state["numpy"]
+    np.random.set_state(
+        ("MT19937", np_state["keys"].numpy().astype(np.uint32), np_state["pos"], np_state["has_gauss"],
+         np_state["cached_gaussian"])
+    )
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _as_python_state(state: Any) -> tuple:
+    # Saved tuples may come back as lists; random.setstate needs tuples.
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)

@@ -1,0 +1,83 @@
+"""What train_net.py and test_net.py share: argument parsing, set-up and clean failure."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import sys
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from fvcore.common.config import CfgNode
+
+from pet.config import load_cfg
+from pet.utils import comm
+from pet.utils.errors import PetError
+from pet.utils.logger import setup_logger
+
+__all__ = ["default_argument_parser", "default_setup", "launch_cli"]
+
+logger = logging.getLogger(__name__)
+
+
+def default_argument_parser(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--cfg", dest="cfg_file", required=True, metavar="FILE", help="YAML config file")
+    parser.add_argument("--unsafe-load", action="store_true",
+                        help="load checkpoints with weights_only=False (only for files you trust)")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                        help="accepted for torch.distributed.launch; torchrun sets LOCAL_RANK instead")
+    parser.add_argument("opts", nargs=argparse.REMAINDER, metavar="KEY VALUE",
+                        help="config overrides, e.g. SOLVER.BASE_LR 0.01")
+    return parser
+
+
+def init_distributed(local_rank: int | None = None) -> None:
+    """Join the process group described by torchrun's environment (no-op without it)."""
+    if local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend=backend)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def default_setup(cfg_file: str, opts: list[str], local_rank: int | None = None) -> CfgNode:
+    """Load the config, join the process group, set up logging, threads and seeds."""
+    cfg = load_cfg(cfg_file, opts)
+    init_distributed(local_rank)
+    rank = comm.get_rank()
+    setup_logger(cfg.CKPT, rank)
+    logger.info(f"Rank {rank} of {comm.get_world_size()}; config {cfg_file}; overrides {opts}")
+    if cfg.NUM_THREADS > 0:
+        torch.set_num_threads(cfg.NUM_THREADS)
+    seed = cfg.SEED if cfg.SEED >= 0 else int.from_bytes(os.urandom(2), "little")
+    seed_everything(seed + rank)
+    return cfg
+
+
+def launch_cli(main: Callable[[], None]) -> None:
+    """Run ``main``; a :class:`PetError` becomes one line on stderr and exit status 2."""
+    try:
+        main()
+    except PetError as exc:
+        for handler in logging.getLogger("pet").handlers:
+            if isinstance(handler, logging.FileHandler):  # the terminal gets the line below, once
+                handler.emit(logging.makeLogRecord({"name": "pet", "levelname": "ERROR", "levelno": 40,
+                                                    "msg": str(exc)}))
+        print(f"Error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,172 @@
+"""The hook contract: TrainHook, Priority and the dispatcher that calls hooks in order.
+
+A hook overrides any of the mount points below. The trainer calls every point with
+keyword arguments only (always ``trainer=`` and ``storage=``, plus ``epoch=``/``max_epochs=``
+in epoch mode, ``metrics=`` for ``after_val`` and ``checkpoint=`` for the checkpoint
+points), so a hook declares just what it needs and swallows the rest with ``**kwargs``::
+
+    class LossIsFinite(TrainHook):
+        def after_step(self, storage, **kwargs):
+            ...
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from enum import IntEnum
+from typing import Any
+
+from pet.utils.errors import ConfigError
+from pet.utils.registry import Registry
+from pet.utils.table import format_table
+
+__all__ = ["Priority", "get_priority", "TrainHook", "HOOKS", "HookDispatcher", "MOUNT_POINTS"]
+
+HOOKS = Registry("hook")
+HOOKS.__doc__ = "Hook classes by name, for HOOKS.CUSTOM / TEST.HOOKS entries in YAML."
+
+
+class Priority(IntEnum):
+    """MMEngine's priority levels: a lower value runs earlier."""
+
+    HIGHEST = 0
+    VERY_HIGH = 10
+    HIGH = 30
+    ABOVE_NORMAL = 40
+    NORMAL = 50
+    BELOW_NORMAL = 60
+    LOW = 70
+    VERY_LOW = 90
+    LOWEST = 100
+
+
+def get_priority(priority: int | str | Priority) -> int:
+    """An int in [0, 100] from an int, a level name (``"HIGH"``, case-insensitive) or a Priority."""
+    if isinstance(priority, bool):
+        raise ConfigError(f"Hook priority must be an int, a Priority or a level name, got {priority!r}")
+    if isinstance(priority, int):
+        if not 0 <= priority <= 100:
+            raise ConfigError(f"Hook priority must be between 0 and 100, got {priority}")
+        return int(priority)
+    if isinstance(priority, str) and priority.upper() in Priority.__members__:
+        return int(Priority[priority.upper()])
+    raise ConfigError(
+        f"Unknown hook priority {priority!r}; use 0-100 or one of {', '.join(Priority.__members__)}"
+    )
+
+
+MOUNT_POINTS = (
+    "before_train",
+    "after_train",
+    "before_epoch",
+    "after_epoch",
+    "before_step",
+    "after_step",
+    "before_val",
+    "after_val",
+    "before_save_checkpoint",
+    "after_load_checkpoint",
+)
+
+
+class TrainHook:
+    """Base class of training hooks. Every mount point is a no-op by default.
+
+    ``priority`` (class attribute, default NORMAL) orders hooks; it can be overridden
+    per instance at registration. A hook with state that must survive a resume
+    implements ``state_dict()`` / ``load_state_dict(state)``; the checkpoint stores it
+    under the hook's class name.
+    """
+
+    priority: int | str | Priority = Priority.NORMAL
+
+    def before_train(self, **kwargs: Any) -> None:
+        """Once, before the first iteration (after resuming)."""
+
+    def after_train(self, **kwargs: Any) -> None:
+        """Once, after the last iteration; also when training fails (called in a ``finally``)."""
+
+    def before_epoch(self, **kwargs: Any) -> None:
+        """Before each epoch (once, before the first iteration, in iteration mode)."""
+
+    def after_epoch(self, **kwargs: Any) -> None:
+        """After each epoch (once, after the last iteration, in iteration mode)."""
+
+    def before_step(self, **kwargs: Any) -> None:
+        """Before each iteration; ``trainer.iter`` is its 0-based index."""
+
+    def after_step(self, **kwargs: Any) -> None:
+        """After each iteration; ``storage.iter`` (= ``trainer.iter + 1``) is iterations completed."""
+
+    def before_val(self, **kwargs: Any) -> None:
+        """Before each validation run."""
+
+    def after_val(self, **kwargs: Any) -> None:
+        """After each validation run, with ``metrics`` (a flat ``{"bbox/AP": ...}`` dict)."""
+
+    def before_save_checkpoint(self, **kwargs: Any) -> None:
+        """With the ``checkpoint`` dict about to be written; may add keys."""
+
+    def after_load_checkpoint(self, **kwargs: Any) -> None:
+        """With the ``checkpoint`` dict just loaded for a resume; may read keys."""
+
+    def __repr__(self) -> str:
+        return type(self).__name__
+
+    # Helpers for the common "every N" tests; ``trainer.iter`` is the current 0-based index.
+    @staticmethod
+    def every_n_iters(trainer: Any, n: int) -> bool:
+        return n > 0 and (trainer.iter + 1) % n == 0
+
+    @staticmethod
+    def is_last_iter(trainer: Any) -> bool:
+        return trainer.iter + 1 >= trainer.max_iter
+
+
+class HookDispatcher:
+    """Calls one mount point on every hook that overrides it, in priority order.
+
+    Hooks that keep a point's no-op are skipped, so an idle mount point costs nothing.
+    The time spent in each (hook, point) is accumulated for :meth:`cost_table`.
+    """
+
+    def __init__(self, hooks: Iterable[TrainHook]) -> None:
+        self.hooks = list(hooks)
+        self._calls: dict[str, list[tuple[int, Any]]] = {}
+        for point in MOUNT_POINTS:
+            self._calls[point] = [
+                (index, getattr(hook, point))
+                for index, hook in enumerate(self.hooks)
+                if _overrides(hook, point)
+            ]
+        self._seconds = [[0.0] * len(MOUNT_POINTS) for _ in self.hooks]
+        self._counts = [[0] * len(MOUNT_POINTS) for _ in self.hooks]
+        self._point_index = {point: i for i, point in enumerate(MOUNT_POINTS)}
+
+    def __call__(self, point: str, **kwargs: Any) -> None:
+        column = self._point_index[point]
+        clock = time.perf_counter
+        for index, method in self._calls[point]:
+            start = clock()
+            method(**kwargs)
+            self._seconds[index][column] += clock() - start
+            self._counts[index][column] += 1
+
+    def total_seconds(self) -> float:
+        return sum(map(sum, self._seconds))
+
+    def cost_table(self) -> str:
+        """A table of hook, point, calls, total ms and ms/call for every point that ran."""
+        rows = []
+        for index, hook in enumerate(self.hooks):
+            for column, point in enumerate(MOUNT_POINTS):
+                calls = self._counts[index][column]
+                if calls:
+                    total_ms = self._seconds[index][column] * 1000
+                    rows.append((repr(hook), point, str(calls), f"{total_ms:.1f}", f"{total_ms / calls:.3f}"))
+        return format_table(("hook", "point", "calls", "total ms", "ms/call"), rows)
+
+
+def _overrides(hook: TrainHook, point: str) -> bool:
+    method = getattr(type(hook), point, None)
+    return method is not None and method is not getattr(TrainHook, point)

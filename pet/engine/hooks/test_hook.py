@@ -1,0 +1,188 @@
+"""TestHook: honest inference timing (data / infer / post) and test-time callbacks."""
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["TestHook", "StageTimer"]
+
+logger = logging.getLogger(__name__)
+
+
+class StageTimer:
+    """Durations of one named stage, one entry per (non-warm-up) iteration."""
+
+    def __init__(self) -> None:
+        self.durations: list[float] = []
+        self._start: float | None = None
+
+    def tic(self) -> None:
+        self._start = time.perf_counter()
+
+    def toc(self, record: bool = True) -> float:
+        if self._start is None:
+            raise RuntimeError("toc() called before tic()")
+        elapsed = time.perf_counter() - self._start
+        self._start = None
+        if record:
+            self.durations.append(elapsed)
+        return elapsed
+
+    def reset(self) -> None:
+        self.durations.clear()
+        self._start = None
+
+    @property
+    def total(self) -> float:
+        return float(sum(self.durations))
+
+    @property
+    def average(self) -> float:
+        return self.total / len(self.durations) if self.durations else 0.0
+
+
+class TestHook:
+    """Inference-speed tracker with Pet's tic/toc API, plus no-op test callbacks.
+
+    Timers ``iter``, ``data``, ``infer`` and ``post`` exist by default; others are
+    created on first ``tic``. The first ``num_warmup`` iterations (an iteration ends
+    at ``toc("iter")``) are excluded from every timer. ``wait()`` synchronises CUDA
+    only when the model runs on a CUDA device, so CPU timing pays nothing for it.
+
+    Subclass it and override ``before_test`` / ``after_test_iter`` / ``after_test``
+    (keyword arguments, like train hooks) to act on test results.
+    """
+
+    DEFAULT_TIMERS = ("iter", "data", "infer", "post")
+
+    def __init__(self, cfg_filename: str | None = None, logperiod: int = 10, num_warmup: int = 5) -> None:
+        self.cfg_filename = cfg_filename
+        self.logperiod = logperiod
+        self.num_warmup = num_warmup
+        self.cuda_sync = False
+        self.ims_per_batch = 1
+        self.device = "cpu"
+        self.timers: dict[str, StageTimer] = {}
+        self.num_iters_done = 0
+        for name in self.DEFAULT_TIMERS:
+            self.add_timer(name)
+
+    # ----------------------------------------------------------------- callbacks
+    def before_test(self, **kwargs: Any) -> None:
+        """Before the first batch, with ``model`` and ``data_loader``."""
+
+    def after_test_iter(self, **kwargs: Any) -> None:
+        """After each batch, with ``inputs`` (the batch) and ``outputs`` (the model's)."""
+
+    def after_test(self, **kwargs: Any) -> None:
+        """After the last batch, with ``results`` (predictions) and ``metrics``."""
+
+    # ----------------------------------------------------------------- timers
+    def add_timer(self, name: str) -> StageTimer:
+        if name not in self.timers:
+            self.timers[name] = StageTimer()
+        return self.timers[name]
+
+    def reset_timer(self, name: str | None = None) -> None:
+        """Clear one timer, or every timer and the iteration count when ``name`` is None."""
+        if name is None:
+            for timer in self.timers.values():
+                timer.reset()
+            self.num_iters_done = 0
+        else:
+            self.timers[name].reset()
+
+    def tic(self, name: str) -> None:
+        self.add_timer(name).tic()
+
+    def toc(self, name: str) -> float:
+        elapsed = self.timers[name].toc(record=self.num_iters_done >= self.num_warmup)
+        if name == "iter":
+            self.num_iters_done += 1
+        return elapsed
+
+    def wait(self) -> None:
+        """Block until queued CUDA work is done, so the next ``toc`` measures it."""
+        if self.cuda_sync:
+            torch.cuda.synchronize()
+
+    def __getattr__(self, attr: str) -> Callable[[], Any]:
+        # iter_tic(), infer_toc(), rpn_tic() ...: shortcuts for tic(name) / toc(name).
+        name, _, action = attr.rpartition("_")
+        if name and action in ("tic", "toc"):
+            return lambda: getattr(self, action)(name)
+        raise AttributeError(f"{type(self).__name__} has no attribute '{attr}'")
+
+    # ----------------------------------------------------------------- reports
+    def log_stats(
+        self,
+        cur_idx: int,
+        start_ind: int,
+        end_ind: int,
+        total_num_images: int,
+        ims_per_gpu: int = 1,
+        suffix: str | None = None,
+        log_all: bool = False,
+    ) -> None:
+        """Log ``[Testing][range:a-b of N][i/n][T s = D s + I s + P s][eta: ...]`` every logperiod batches.
+
+        Times are per image, averaged over the timed (non-warm-up) iterations.
+        """
+        num_batches = -(-(end_ind - start_ind) // ims_per_gpu)
+        if cur_idx % self.logperiod and cur_idx != num_batches:
+            return
+        per_image = {name: timer.average / ims_per_gpu for name, timer in self.timers.items()}
+        eta = per_image["iter"] * max(end_ind - start_ind - cur_idx * ims_per_gpu, 0)
+        line = (
+            f"[Testing][range:{start_ind + 1}-{end_ind} of {total_num_images}][{cur_idx}/{num_batches}]"
+            f"[{per_image['iter']:.3f}s = {per_image['data']:.3f}s + {per_image['infer']:.3f}s"
+            f" + {per_image['post']:.3f}s]"
+        )
+        if log_all:
+            line += "".join(
+                f"[{name}: {value:.3f}s]" for name, value in per_image.items() if name not in self.DEFAULT_TIMERS
+            )
+        line += f"[eta: {datetime.timedelta(seconds=int(eta))}]"
+        if suffix:
+            line += suffix
+        logger.info(line)
+
+    def speed_summary(self) -> dict[str, Any]:
+        """Per-image mean / p50 / p90 (ms) of every timer that ran, images/s, batch size and device."""
+        summary: dict[str, Any] = {
+            "ims_per_batch": self.ims_per_batch,
+            "device": self.device,
+            "num_warmup_iters": self.num_warmup,
+            "timed_iters": len(self.timers["iter"].durations),
+        }
+        for name, timer in self.timers.items():
+            if not timer.durations:
+                continue
+            ms = np.asarray(timer.durations) * 1000.0 / self.ims_per_batch
+            summary[name] = {
+                "mean_ms": float(ms.mean()),
+                "p50_ms": float(np.percentile(ms, 50)),
+                "p90_ms": float(np.percentile(ms, 90)),
+            }
+        iter_time = self.timers["iter"].average
+        summary["images_per_second"] = self.ims_per_batch / iter_time if iter_time else 0.0
+        return summary
+
+    def log_summary(self) -> None:
+        summary = self.speed_summary()
+        rows = [
+            f"{name:>8}: mean {v['mean_ms']:8.2f} ms  p50 {v['p50_ms']:8.2f} ms  p90 {v['p90_ms']:8.2f} ms"
+            for name, v in summary.items()
+            if isinstance(v, dict)
+        ]
+        logger.info(
+            f"Inference speed per image ({summary['timed_iters']} timed iterations after "
+            f"{self.num_warmup} warm-up, batch {self.ims_per_batch}, {self.device}, "
+            f"{summary['images_per_second']:.2f} images/s):\n" + "\n".join(rows)
+        )

@@ -1,0 +1,349 @@
+"""The train loop: one step is data -> forward -> backward -> optimizer; hooks do the rest.
+
+Reading guide: :meth:`Trainer.train` is the whole loop; :meth:`Trainer.run_step` is one
+iteration. Logging, schedules, evaluation and checkpoints live in hooks
+(:mod:`pet.engine.hooks`) called at fixed mount points, in priority order.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from fvcore.common.config import CfgNode
+
+from pet.engine.checkpoint import (
+    atomic_save,
+    get_rng_state,
+    load_checkpoint,
+    load_model_weights,
+    read_last_checkpoint,
+    set_rng_state,
+    unwrap_model,
+    write_last_checkpoint,
+)
+from pet.engine.events import EventStorage
+from pet.engine.hooks.base import HookDispatcher, TrainHook, get_priority
+from pet.engine.optim import build_lr_scheduler, build_optimizer
+from pet.utils import comm
+from pet.utils.errors import TrainingError
+from pet.utils.registry import META_ARCH_REGISTRY
+from pet.utils.tensor import move_to_device
+
+__all__ = ["Trainer", "resolve_device", "call_model"]
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> CUDA when available (this process's local GPU), else CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise TrainingError("DEVICE is 'cuda' but no CUDA device is available; use DEVICE auto or cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device(name)
+
+
+def call_model(model: torch.nn.Module, batch: Any) -> Any:
+    """``model(*batch)`` for a tuple/list batch, ``model(**batch)`` for a dict, else ``model(batch)``."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+class Trainer:
+    """Runs training for ``SOLVER.MAX_ITER`` iterations or ``SOLVER.MAX_EPOCHS`` epochs.
+
+    Anything not passed in is built from ``cfg``: the model (any ``nn.Module`` whose
+    training forward returns a dict of losses) through the meta-architecture registry,
+    the data loader through :mod:`pet.data`, the optimizer and LR schedule from
+    ``SOLVER``. With ``default_hooks`` the hooks of :func:`build_train_hooks` are
+    registered; add more with :meth:`register_hooks`.
+
+    Attributes hooks may rely on: cfg, model, optimizer, scheduler, data_loader, storage,
+    iter (0-based index of the current iteration; ``max_iter`` after training),
+    start_iter, max_iter, epoch (0-based current epoch), max_epochs, iters_per_epoch,
+    output_dir, device, hooks, stop_training (set it to end training cleanly),
+    last_step_seconds and last_data_seconds (the previous step's cost).
+    """
+
+    def __init__(
+        self,
+        cfg: CfgNode,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        data_loader: Iterable[Any] | None = None,
+        default_hooks: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        self.output_dir = cfg.CKPT
+        self.device = resolve_device(cfg.DEVICE)
+        if model is None:
+            model = META_ARCH_REGISTRY.get(cfg.MODEL.META_ARCHITECTURE)(cfg)
+        model.to(self.device)
+        if comm.get_world_size() > 1 and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        self.model = model
+        if data_loader is None:
+            from pet.data import build_train_loader
+
+            data_loader = build_train_loader(cfg)
+        self.data_loader = data_loader
+
+        self.max_epochs = cfg.SOLVER.MAX_EPOCHS
+        if self.max_epochs > 0:
+            self.iters_per_epoch = len(data_loader)  # type: ignore[arg-type]
+            self.max_iter = self.max_epochs * self.iters_per_epoch
+        else:
+            self.iters_per_epoch = 0
+            self.max_iter = cfg.SOLVER.MAX_ITER
+        self.optimizer = optimizer if optimizer is not None else build_optimizer(cfg, unwrap_model(model))
+        self.scheduler = scheduler if scheduler is not None else build_lr_scheduler(cfg, self.optimizer, self.max_iter)
+
+        amp = cfg.SOLVER.AMP
+        self._amp_dtype = getattr(torch, amp.DTYPE) if amp.ENABLED else None
+        use_scaler = amp.ENABLED and amp.DTYPE == "float16" and self.device.type == "cuda"
+        self.grad_scaler = torch.amp.GradScaler("cuda") if use_scaler else None
+
+        self.iter = self.start_iter = 0
+        self.epoch = 0
+        self.stop_training = False
+        self.nonfinite_skipped = 0
+        self.last_step_seconds = 0.0
+        self.last_data_seconds = 0.0
+        self.storage: EventStorage | None = None
+        self.hooks: list[TrainHook] = []
+        self._hook_priorities: list[int] = []
+        self._dispatch = HookDispatcher([])
+        if default_hooks:
+            from pet.engine.hooks import build_train_hooks
+
+            self.register_hooks(build_train_hooks(cfg, self))
+
+    # ------------------------------------------------------------------ hooks
+    def register_hook(self, hook: TrainHook, priority: int | str | None = None) -> None:
+        """Insert ``hook`` by priority (its own, or ``priority``); equal priorities keep registration order."""
+        value = get_priority(priority if priority is not None else hook.priority)
+        if priority is not None:
+            hook.priority = value
+        position = sum(1 for p in self._hook_priorities if p <= value)
+        self.hooks.insert(position, hook)
+        self._hook_priorities.insert(position, value)
+        self._dispatch = HookDispatcher(self.hooks)
+
+    def register_hooks(self, hooks: Iterable[TrainHook | None]) -> None:
+        for hook in hooks:
+            if hook is not None:
+                self.register_hook(hook)
+
+    def call_hooks(self, point: str, **kwargs: Any) -> None:
+        """Call mount point ``point`` on every hook with ``trainer``, ``storage`` (and epoch info)."""
+        if self.max_epochs > 0:
+            kwargs.setdefault("epoch", self.epoch)
+            kwargs.setdefault("max_epochs", self.max_epochs)
+        self._dispatch(point, trainer=self, storage=self.storage, **kwargs)
+
+    def hook_order_table(self) -> str:
+        from pet.utils.table import format_table
+
+        return format_table(("priority", "hook"), [(p, repr(h)) for p, h in zip(self._hook_priorities, self.hooks)])
+
+    @property
+    def completed_iters(self) -> int:
+        """Iterations completed so far (``storage.iter`` once training runs)."""
+        return self.storage.iter if self.storage is not None else self.iter
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Everything needed to resume exactly: weights, optimizer, schedule, counters, RNG, hook state."""
+        state: dict[str, Any] = {
+            "model": unwrap_model(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "iter": self.completed_iters,
+            "epoch": self.epoch,
+            "rng": get_rng_state(),
+            "hooks": {},
+        }
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        for hook in self.hooks:
+            if hasattr(hook, "state_dict"):
+                state["hooks"][type(hook).__name__] = hook.state_dict()
+        return state
+
+    def save_checkpoint(self, filename: str, *, state: dict[str, Any] | None = None, update_last: bool = True,
+                        save_dir: str | None = None) -> str:
+        """Write ``filename`` atomically (main process only); point ``last_checkpoint`` at it."""
+        save_dir = save_dir or self.output_dir
+        path = os.path.join(save_dir, filename)
+        if not comm.is_main_process():
+            return path
+        state = state if state is not None else self.checkpoint_state()
+        self.call_hooks("before_save_checkpoint", checkpoint=state)
+        atomic_save(state, path)
+        if update_last:
+            write_last_checkpoint(save_dir, filename)
+        logger.info(f"Saved checkpoint {path}")
+        return path
+
+    def resume_or_load(self, resume: bool = True, *, unsafe: bool = False) -> None:
+        """Resume from ``last_checkpoint`` when ``resume`` and one exists; else load ``TRAIN.WEIGHTS``."""
+        last = read_last_checkpoint(self.output_dir) if resume else None
+        if last is not None:
+            self.load_resume_state(load_checkpoint(last, unsafe=unsafe))
+            logger.info(f"Resumed from {last} at iteration {self.start_iter}")
+        elif self.cfg.TRAIN.WEIGHTS:
+            load_model_weights(self.model, self.cfg.TRAIN.WEIGHTS, unsafe=unsafe)
+            logger.info(f"Initialised from {self.cfg.TRAIN.WEIGHTS} (not a resume: training starts at iteration 0)")
+
+    def load_resume_state(self, state: dict[str, Any]) -> None:
+        unwrap_model(self.model).load_state_dict(state["model"])
+        if state.get("optimizer"):
+            self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("scheduler") and self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("grad_scaler") and self.grad_scaler is not None:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+        self.start_iter = self.iter = int(state["iter"])
+        self.epoch = self.start_iter // self.iters_per_epoch if self.iters_per_epoch else 0
+        if "rng" in state:
+            set_rng_state(state["rng"])
+        for hook in self.hooks:
+            hook_state = state.get("hooks", {}).get(type(hook).__name__)
+            if hook_state is not None and hasattr(hook, "load_state_dict"):
+                hook.load_state_dict(hook_state)
+        self.call_hooks("after_load_checkpoint", checkpoint=state)
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> None:
+        """Run from ``start_iter`` to ``max_iter``; ``after_train`` runs even when a step fails."""
+        logger.info(f"Hooks in call order:\n{self.hook_order_table()}")
+        logger.info(f"Starting training from iteration {self.start_iter} to {self.max_iter}")
+        self.model.train()
+        with EventStorage(self.start_iter) as self.storage:
+            try:
+                self.call_hooks("before_train")
+                if self.max_epochs > 0:
+                    self._train_epochs()
+                else:
+                    self._train_iterations()
+            finally:
+                self.call_hooks("after_train")
+                if comm.is_main_process():
+                    logger.info(f"Time spent in hooks:\n{self._dispatch.cost_table()}")
+
+    def _train_iterations(self) -> None:
+        self.call_hooks("before_epoch")
+        self._data_iter = iter(self.data_loader)
+        while self.iter < self.max_iter and not self.stop_training:
+            self._step()
+        self.call_hooks("after_epoch")
+
+    def _train_epochs(self) -> None:
+        skip = self.start_iter - self.epoch * self.iters_per_epoch
+        while self.epoch < self.max_epochs and not self.stop_training:
+            loader = self.data_loader
+            for holder in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
+                if hasattr(holder, "set_epoch"):
+                    holder.set_epoch(self.epoch)
+            self.call_hooks("before_epoch")
+            self._data_iter = self._skip(iter(self.data_loader), skip)
+            skip = 0
+            end = (self.epoch + 1) * self.iters_per_epoch
+            while self.iter < end and not self.stop_training:
+                self._step()
+            self.call_hooks("after_epoch")
+            self.epoch += 1
+
+    @staticmethod
+    def _skip(iterator: Iterator[Any], count: int) -> Iterator[Any]:
+        # Resuming mid-epoch: the sampler order is fixed per epoch, so drop the batches already seen.
+        for _ in range(count):
+            next(iterator)
+        return iterator
+
+    def _step(self) -> None:
+        self.storage.iter = self.iter + 1
+        self.call_hooks("before_step")
+        self.run_step()
+        self.call_hooks("after_step")
+        self.iter += 1
+
+    def run_step(self) -> None:
+        """One iteration: fetch a batch, forward, check the loss is finite, backward, step."""
+        start = time.perf_counter()
+        batch = move_to_device(next(self._data_iter), self.device)
+        data_seconds = time.perf_counter() - start
+
+        autocast = (
+            torch.autocast(self.device.type, dtype=self._amp_dtype) if self._amp_dtype else contextlib.nullcontext()
+        )
+        with autocast:
+            loss_dict = call_model(self.model, batch)
+        if not isinstance(loss_dict, dict) or not loss_dict:
+            raise TrainingError(
+                f"The model's training forward must return a non-empty dict of losses, got {type(loss_dict).__name__}"
+            )
+        losses = sum(loss_dict.values())
+        loss_values = dict(zip(loss_dict, torch.stack([v.detach().float() for v in loss_dict.values()]).tolist()))
+        total = sum(loss_values.values())
+
+        if math.isfinite(total):
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.grad_scaler is not None:
+                self.grad_scaler.scale(losses).backward()
+                self.grad_scaler.unscale_(self.optimizer)
+                self._clip_gradients()
+                self.grad_scaler.step(self.optimizer)
+                self.grad_scaler.update()
+            else:
+                losses.backward()
+                self._clip_gradients()
+                self.optimizer.step()
+        else:
+            self._on_nonfinite(loss_values)
+
+        self.last_data_seconds = data_seconds
+        self.last_step_seconds = time.perf_counter() - start
+        self._put_metrics(loss_values, total, data_seconds)
+
+    def _clip_gradients(self) -> None:
+        if self.cfg.SOLVER.CLIP_GRAD_NORM > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.SOLVER.CLIP_GRAD_NORM)
+
+    def _on_nonfinite(self, loss_values: dict[str, float]) -> None:
+        bad = ", ".join(f"{k}={v}" for k, v in loss_values.items() if not math.isfinite(v))
+        if self.cfg.SOLVER.SKIP_NONFINITE:
+            self.nonfinite_skipped += 1
+            logger.warning(
+                f"Non-finite loss at iteration {self.iter + 1} ({bad}); step skipped "
+                f"({self.nonfinite_skipped} skipped so far)"
+            )
+            return
+        raise TrainingError(
+            f"Non-finite loss at iteration {self.iter + 1}: {bad}. The last good checkpoint is kept in "
+            f"{self.output_dir}. Lower SOLVER.BASE_LR, raise SOLVER.WARMUP_ITERS or set SOLVER.CLIP_GRAD_NORM; "
+            "SOLVER.SKIP_NONFINITE True skips such steps instead."
+        )
+
+    def _put_metrics(self, loss_values: dict[str, float], total: float, data_seconds: float) -> None:
+        metrics = dict(loss_values, total_loss=total, data_time=data_seconds)
+        metrics = comm.reduce_scalars(metrics, maximum=("data_time",))
+        storage = self.storage
+        for name, value in metrics.items():
+            storage.put_scalar(name, value)
+        if self.nonfinite_skipped:
+            storage.put_scalar("nonfinite_skipped", self.nonfinite_skipped, smoothing_hint=False)

@@ -1,0 +1,59 @@
+"""torch.distributed helpers that also work in a single process (no process group)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def is_main_process() -> bool:
+    return get_rank() == 0
+
+
+def synchronize() -> None:
+    """A barrier across processes (no-op in a single process)."""
+    if get_world_size() > 1:
+        dist.barrier()
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """``[obj of rank 0, obj of rank 1, ...]`` on every rank."""
+    if get_world_size() == 1:
+        return [obj]
+    gathered: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def reduce_scalars(
+    values: dict[str, float], *, average: bool = True, maximum: tuple[str, ...] = ()
+) -> dict[str, float]:
+    """Reduce a dict of floats over processes: mean (or sum) by default, max for names in ``maximum``."""
+    if get_world_size() == 1 or not values:
+        return values
+    names = sorted(values)
+    tensor = torch.tensor([values[n] for n in names], dtype=torch.float64)
+    summed = tensor.clone()
+    dist.all_reduce(summed)
+    if average:
+        summed /= get_world_size()
+    result = dict(zip(names, summed.tolist()))
+    if maximum:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        for name, value in zip(names, tensor.tolist()):
+            if name in maximum:
+                result[name] = value
+    return result

@@ -1,0 +1,68 @@
+"""Shared fixtures: a tiny regression model and loaders that cost nothing to run."""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pet.config import load_cfg
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
+
+class ToyModel(torch.nn.Module):
+    """Linear regression with a BatchNorm, returning a loss dict like a detector."""
+
+    def __init__(self, with_bn: bool = False) -> None:
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(4) if with_bn else torch.nn.Identity()
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        pred = self.linear(self.bn(x))
+        return {"loss_mse": torch.nn.functional.mse_loss(pred, y), "loss_l1": (pred - y).abs().mean()}
+
+
+class ToyLoader:
+    """A finite, re-iterable loader of ``(x, y)`` batches with a fixed seed per pass."""
+
+    def __init__(self, num_batches: int = 10, batch_size: int = 8, seed: int = 0, offset: float = 0.0) -> None:
+        self.num_batches = num_batches
+        self.batch_size = batch_size
+        self.seed = seed
+        self.offset = offset
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        gen = torch.Generator().manual_seed(self.seed)
+        for _ in range(self.num_batches):
+            x = torch.randn(self.batch_size, 4, generator=gen) * 3 + self.offset
+            yield x, x.sum(dim=1, keepdim=True)
+
+
+class InfiniteToyLoader(ToyLoader):
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        gen = torch.Generator().manual_seed(self.seed)
+        while True:
+            x = torch.randn(self.batch_size, 4, generator=gen) * 3 + self.offset
+            yield x, x.sum(dim=1, keepdim=True)
+
+
+@pytest.fixture
+def make_cfg(tmp_path):
+    """``make_cfg(KEY, VALUE, ...)``: defaults for a toy CPU run writing under tmp_path."""
+
+    def _make(*opts: object, freeze: bool = True):
+        base = [
+            "CKPT", str(tmp_path / "run"), "DEVICE", "cpu", "SOLVER.MAX_ITER", "20", "SOLVER.BASE_LR", "0.01",
+            "SOLVER.WARMUP_ITERS", "0", "SOLVER.LR_POLICY", "cosine", "DISPLAY_ITER", "5",
+            "TRAIN.AUTO_RESUME", "False",
+        ]
+        return load_cfg(None, base + [str(o) for o in opts], freeze=freeze)
+
+    return _make
