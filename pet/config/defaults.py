@@ -39,11 +39,11 @@ _C.DATA.ASPECT_RATIO_GROUPING = True
 
 # Input transforms (opencv). Sizes are in pixels.
 _C.INPUT = CN()
-# Shorter side at training time; one is drawn at random per image when several are given.
+# Shorter side at training time; one is drawn at random per image when several are given (0: no resize).
 _C.INPUT.MIN_SIZE_TRAIN = (800,)
 # Longest side allowed at training time.
 _C.INPUT.MAX_SIZE_TRAIN = 1333
-# Shorter side at test time.
+# Shorter side at test time (0 keeps the original size).
 _C.INPUT.MIN_SIZE_TEST = 800
 # Longest side allowed at test time.
 _C.INPUT.MAX_SIZE_TEST = 1333

@@ -96,7 +96,9 @@ def read_last_checkpoint(save_dir: str) -> str | None:
 def load_checkpoint(path: str, *, unsafe: bool = False) -> dict[str, Any]:
     """Load a checkpoint dict on the CPU; ``weights_only=True`` unless ``unsafe``."""
     if not os.path.isfile(path):
-        raise ConfigError(f"Weights file not found: {path} (train first, or point TEST.WEIGHTS / TRAIN.WEIGHTS at a file)")
+        raise ConfigError(
+            f"Weights file not found: {path} (train first, or point TEST.WEIGHTS / TRAIN.WEIGHTS at a file)"
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=not unsafe)
     except Exception as exc:  # noqa: BLE001 - torch raises many types for bad files

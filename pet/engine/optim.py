@@ -2,8 +2,7 @@
 
 The schedule is a multiplier of ``BASE_LR`` per iteration: a linear warm-up from
 ``WARMUP_FACTOR`` times an fvcore parameter schedule (step or cosine) evaluated at the
-fraction of training done. It is wrapped in torch's ``LambdaLR`` so its state
-(``last_epoch``, the iteration count) goes into checkpoints like any torch scheduler.
+fraction of training done.
 """
 from __future__ import annotations
 
@@ -49,40 +48,64 @@ def lr_multiplier(cfg: CfgNode, max_iter: int) -> ParamScheduler:
     return MultiStepParamScheduler(values, num_updates=max_iter, milestones=milestones)
 
 
-class _WarmupMultiplier:
-    """Picklable ``iteration -> lr factor`` for LambdaLR."""
+class WarmupLR:
+    """Per-iteration LR schedule: ``lr = base_lr * warm-up factor * fvcore schedule(iteration / max_iter)``.
 
-    def __init__(self, schedule: ParamScheduler, max_iter: int, warmup_iters: int, warmup_factor: float) -> None:
+    Deliberately not a torch ``LRScheduler``: stepping one costs ~20 us of bookkeeping
+    per iteration, this costs a multiplication per parameter group. It has the same
+    ``step`` / ``get_last_lr`` / ``state_dict`` / ``load_state_dict`` API. Its state is
+    the iteration count only, so checkpoints load with ``weights_only=True`` and a
+    resumed run may change ``SOLVER.MAX_ITER`` and continue on the new schedule.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        schedule: ParamScheduler,
+        max_iter: int,
+        warmup_iters: int = 0,
+        warmup_factor: float = 1.0,
+    ) -> None:
+        self.optimizer = optimizer
         self.schedule = schedule
         self.max_iter = max_iter
         self.warmup_iters = warmup_iters
         self.warmup_factor = warmup_factor
+        for group in optimizer.param_groups:
+            group.setdefault("initial_lr", group["lr"])
+        self.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+        self.last_epoch = 0  # torch's name for the number of steps taken
+        self._apply()
 
-    def __call__(self, iteration: int) -> float:
-        where = min(iteration / self.max_iter, 1.0 - 1e-9)
-        factor = self.schedule(where)
+    def factor(self, iteration: int) -> float:
+        value = self.schedule(min(iteration / self.max_iter, 1.0 - 1e-9))
         if iteration < self.warmup_iters:
             alpha = iteration / self.warmup_iters
-            factor *= self.warmup_factor * (1 - alpha) + alpha
-        return factor
+            value *= self.warmup_factor * (1 - alpha) + alpha
+        return value
 
+    def step(self) -> None:
+        self.last_epoch += 1
+        self._apply()
 
-class WarmupLR(torch.optim.lr_scheduler.LambdaLR):
-    """LambdaLR whose state is only its counters, so checkpoints load with ``weights_only=True``.
+    def _apply(self) -> None:
+        factor = self.factor(self.last_epoch)
+        for group, base_lr in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base_lr * factor
 
-    The multiplier is rebuilt from the config, which lets a resumed run change
-    ``SOLVER.MAX_ITER`` and continue on the new schedule.
-    """
+    def get_last_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
 
     def state_dict(self) -> dict:
-        state = super().state_dict()
-        state["lr_lambdas"] = [None] * len(self.lr_lambdas)
-        return state
+        return {"last_epoch": self.last_epoch, "base_lrs": list(self.base_lrs)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_epoch = int(state["last_epoch"])
+        self.base_lrs = list(state["base_lrs"])
+        self._apply()
 
 
 def build_lr_scheduler(cfg: CfgNode, optimizer: torch.optim.Optimizer, max_iter: int) -> WarmupLR:
     """A per-iteration scheduler: warm-up, then step or cosine decay over ``max_iter``."""
-    multiplier = _WarmupMultiplier(
-        lr_multiplier(cfg, max_iter), max_iter, cfg.SOLVER.WARMUP_ITERS, cfg.SOLVER.WARMUP_FACTOR
-    )
-    return WarmupLR(optimizer, multiplier)
+    solver = cfg.SOLVER
+    return WarmupLR(optimizer, lr_multiplier(cfg, max_iter), max_iter, solver.WARMUP_ITERS, solver.WARMUP_FACTOR)

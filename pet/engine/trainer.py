@@ -285,7 +285,9 @@ class Trainer:
     def run_step(self) -> None:
         """One iteration: fetch a batch, forward, check the loss is finite, backward, step."""
         start = time.perf_counter()
-        batch = move_to_device(next(self._data_iter), self.device)
+        batch = next(self._data_iter)
+        if self.device.type != "cpu":
+            batch = move_to_device(batch, self.device)
         data_seconds = time.perf_counter() - start
 
         autocast = (
@@ -297,9 +299,15 @@ class Trainer:
             raise TrainingError(
                 f"The model's training forward must return a non-empty dict of losses, got {type(loss_dict).__name__}"
             )
-        losses = sum(loss_dict.values())
-        loss_values = dict(zip(loss_dict, torch.stack([v.detach().float() for v in loss_dict.values()]).tolist()))
-        total = sum(loss_values.values())
+        terms = list(loss_dict.values())
+        losses = terms[0]
+        for term in terms[1:]:
+            losses = losses + term
+        # One device sync for all terms (item() per term would sync once each on CUDA).
+        values = [t.detach().item() for t in terms] if len(terms) == 1 or self.device.type == "cpu" else (
+            torch.stack([t.detach().float() for t in terms]).tolist())
+        loss_values = dict(zip(loss_dict, values))
+        total = sum(values)
 
         if math.isfinite(total):
             self.optimizer.zero_grad(set_to_none=True)

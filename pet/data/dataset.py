@@ -1,0 +1,421 @@
+"""COCO-format datasets: validated loading, label mapping and the torch Dataset the loaders use.
+
+:func:`load_coco_json` reads one annotation file and checks everything that can be
+checked without decoding images, so a broken dataset fails in the main process with
+one message naming the file, image or annotation, instead of deep inside a worker.
+:class:`DetectionDataset` concatenates one or more of them (one label space), decodes
+images with opencv and applies a mapper (the transforms).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import io
+import json
+import logging
+import os
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import cv2
+import numpy as np
+import torch
+from pycocotools.coco import COCO
+
+from pet.utils.errors import DataError
+
+__all__ = ["COCODataset", "DetectionDataset", "LoadFailure", "load_coco_json", "read_image"]
+
+logger = logging.getLogger(__name__)
+
+# A box may stick out of its image by this many pixels (rounding in annotation tools) before it counts as outside.
+_OUTSIDE_TOLERANCE = 1.0
+
+
+class COCODataset:
+    """One validated COCO annotation file.
+
+    Attributes:
+        name, json_file, image_root: where it comes from.
+        coco: the pycocotools ``COCO`` object of the file, unmodified (the evaluation ground truth).
+        class_names: category names ordered by category id; label ``i + 1`` is ``class_names[i]``.
+        label_to_category_id / category_id_to_label: contiguous labels (1..C) <-> COCO category ids.
+        records: one dict per image: ``image_id``, ``file_name`` (full path), ``height``, ``width``,
+            ``boxes`` (float32 [N, 4] XYXY, clipped, crowd excluded) and ``labels`` (int64 [N]).
+    """
+
+    def __init__(self, name: str, json_file: str, image_root: str, coco: COCO, records: list[dict[str, Any]]) -> None:
+        self.name = name
+        self.json_file = json_file
+        self.image_root = image_root
+        self.coco = coco
+        categories = sorted(coco.dataset["categories"], key=lambda c: c["id"])
+        self.class_names = [c["name"] for c in categories]
+        self.label_to_category_id = {i + 1: c["id"] for i, c in enumerate(categories)}
+        self.category_id_to_label = {cid: label for label, cid in self.label_to_category_id.items()}
+        self.records = records
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def instances_per_class(self) -> np.ndarray:
+        """Number of usable (non-crowd, kept) boxes of each label; index i is label i + 1."""
+        labels = np.concatenate([r["labels"] for r in self.records]) if self.records else np.zeros(0, np.int64)
+        return np.bincount(labels - 1, minlength=len(self.class_names))
+
+    def __repr__(self) -> str:
+        return f"COCODataset(name={self.name!r}, images={len(self)}, classes={len(self.class_names)})"
+
+
+def load_coco_json(json_file: str, image_root: str, name: str | None = None, *, strict: bool = False) -> COCODataset:
+    """Read and validate a COCO annotation file.
+
+    Crowd annotations stay in ``coco`` (COCOeval ignores matches to them) but not in the
+    training records. A box that is empty or sticks out of its image is rejected with a
+    :class:`DataError` when ``strict``; otherwise it is clipped to the image (or dropped
+    when nothing is left) and a warning reports how many.
+    """
+    name = name or os.path.splitext(os.path.basename(json_file))[0]
+    data = _read_json(json_file, name)
+    where = f"{json_file} (dataset '{name}')"
+    categories = _check_categories(data["categories"], where)
+    images = _check_images(data["images"], image_root, where)
+    annotations = _check_annotations(data["annotations"], images, categories, where)
+
+    coco = COCO()
+    coco.dataset = data
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress lines
+        coco.createIndex()
+
+    sorted_ids = sorted(categories)
+    cat_to_label = {cid: i + 1 for i, cid in enumerate(sorted_ids)}
+    fixer = _BoxFixer(where, strict)
+    per_image: dict[int, list[tuple[list[float], int]]] = collections.defaultdict(list)
+    for ann in annotations:
+        if ann.get("iscrowd", 0):
+            continue
+        image = images[ann["image_id"]]
+        box = fixer(ann, image["width"], image["height"])
+        if box is not None:
+            per_image[ann["image_id"]].append((box, cat_to_label[ann["category_id"]]))
+    fixer.report()
+
+    records = []
+    for image_id, image in images.items():
+        objs = per_image.get(image_id, [])
+        records.append({
+            "image_id": image_id,
+            "file_name": os.path.join(image_root, image["file_name"]),
+            "height": image["height"],
+            "width": image["width"],
+            "boxes": np.array([b for b, _ in objs], dtype=np.float32).reshape(-1, 4),
+            "labels": np.array([lab for _, lab in objs], dtype=np.int64),
+        })
+    if not records:
+        raise DataError(f"{where} lists no images; an empty dataset cannot be trained or tested on.")
+    return COCODataset(name, json_file, image_root, coco, records)
+
+
+def read_image(path: str, image_id: int | None = None) -> np.ndarray:
+    """Decode an image file into an RGB uint8 array [H, W, 3] (gray and RGBA become RGB)."""
+    what = f"image {path}" + (f" (image id {image_id})" if image_id is not None else "")
+    try:
+        buffer = np.fromfile(path, dtype=np.uint8)
+    except OSError as exc:
+        raise DataError(f"Cannot read {what}: {exc.strerror or exc}. Check that the file exists "
+                        "under the dataset's image root.") from exc
+    image = cv2.imdecode(buffer, cv2.IMREAD_COLOR) if buffer.size else None
+    if image is None:
+        raise DataError(f"Cannot decode {what}: the file is empty, corrupt or not an image. "
+                        "Replace or remove it, or set DATA.ON_BAD_IMAGE skip to skip such images.")
+    return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+
+
+class LoadFailure:
+    """A :class:`DataError` raised while loading a sample in a worker, carried to the main process as data.
+
+    The loader re-raises it there with the original one-line message, instead of the
+    worker traceback PyTorch would show.
+    """
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+class DetectionDataset(torch.utils.data.Dataset):
+    """One or more :class:`COCODataset` concatenated, decoded and mapped into training/test samples.
+
+    The label space must be the same in every dataset. Records are pickled into one
+    numpy buffer: compact, cheap to send to workers, and reading one in a worker touches
+    no shared Python objects (whose reference counts would make forked workers copy
+    memory pages).
+
+    An index is either an int or ``(index, seed)``; the seed drives the random
+    transforms, so a sample does not depend on which worker (or how many) loads it.
+    ``mapper(record, image, rng)`` turns a record and its decoded image into a sample.
+    Unreadable images raise :class:`DataError`, or are replaced by another image and
+    counted in ``num_skipped`` when ``on_bad_image`` is "skip".
+
+    Attributes of the first dataset are exposed (``name`` joins all names) so that
+    evaluators and tools can use a loader's dataset directly.
+    """
+
+    def __init__(
+        self,
+        datasets: Sequence[COCODataset],
+        mapper: Callable[[dict[str, Any], np.ndarray, np.random.Generator], dict[str, Any]],
+        *,
+        is_train: bool,
+        filter_empty: bool = True,
+        on_bad_image: str = "error",
+    ) -> None:
+        if on_bad_image not in ("error", "skip"):
+            raise DataError(f"on_bad_image must be 'error' or 'skip', got {on_bad_image!r}")
+        check_same_categories(datasets)
+        first = datasets[0]
+        self.datasets = list(datasets)
+        self.name = "+".join(d.name for d in datasets)
+        self.json_file, self.image_root, self.coco = first.json_file, first.image_root, first.coco
+        self.class_names = first.class_names
+        self.label_to_category_id = first.label_to_category_id
+        self.mapper = mapper
+        self.is_train = is_train
+        self.on_bad_image = on_bad_image
+        self.num_skipped = 0
+
+        records = [r for d in datasets for r in d.records]
+        if is_train and filter_empty:
+            records = [r for r in records if len(r["labels"])]
+            if not records:
+                raise DataError(f"Dataset '{self.name}' has no image with a usable (non-crowd, non-empty) box. "
+                                "Check the annotations, or set DATA.FILTER_EMPTY False to train on empty images.")
+            dropped = sum(len(d) for d in datasets) - len(records)
+            if dropped:
+                logger.info(f"Removed {dropped} images without annotations from '{self.name}' (DATA.FILTER_EMPTY).")
+        records = self._check_files_exist(records)
+        self.aspect_ratios = np.array([r["width"] / r["height"] for r in records], dtype=np.float32)
+        serialized = [np.frombuffer(pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+                      for r in records]
+        self._offsets = np.cumsum([0] + [len(s) for s in serialized])
+        self._buffer = np.concatenate(serialized)
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def record(self, index: int) -> dict[str, Any]:
+        """The annotation record of image ``index`` (a fresh copy)."""
+        return pickle.loads(self._buffer[self._offsets[index]:self._offsets[index + 1]].tobytes())
+
+    def __getitem__(self, key: int | tuple[int, int]) -> dict[str, Any]:
+        index, seed = key if isinstance(key, tuple) else (key, key)
+        rng = np.random.default_rng(seed)
+        for _attempt in range(10):
+            record = self.record(index)
+            try:
+                image = read_image(record["file_name"], record["image_id"])
+                _check_size(image, record)
+            except DataError as exc:
+                if self.on_bad_image == "error":
+                    raise
+                self.num_skipped += 1
+                logger.warning(f"{exc} Skipped (DATA.ON_BAD_IMAGE skip); {self.num_skipped} skipped by this process.")
+                index = int(rng.integers(len(self))) if self.is_train else (index + 1) % len(self)
+                continue
+            return self.mapper(record, image, rng)
+        raise DataError(f"10 unreadable images in a row in dataset '{self.name}' (last: {record['file_name']}); "
+                        "the image files look broken. Check the image root.")
+
+    def __getitems__(self, keys: Sequence[int | tuple[int, int]]) -> list[Any]:
+        """Batch fetch used by DataLoader: a :class:`DataError` becomes a :class:`LoadFailure` sample."""
+        try:
+            return [self[key] for key in keys]
+        except DataError as exc:
+            return [LoadFailure(str(exc))]
+
+    def _check_files_exist(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Find missing image files up-front with one directory listing per folder (cheap even for COCO)."""
+        listings: dict[str, set[str]] = {}
+        missing = []
+        for r in records:
+            folder, base = os.path.split(r["file_name"])
+            if folder not in listings:
+                listings[folder] = set(os.listdir(folder)) if os.path.isdir(folder) else set()
+            if base not in listings[folder]:
+                missing.append(r)
+        if not missing:
+            return records
+        first = missing[0]
+        message = (f"{len(missing)} of {len(records)} image files of dataset '{self.name}' are missing, e.g. "
+                   f"{first['file_name']} (image id {first['image_id']}).")
+        if self.on_bad_image == "error":
+            raise DataError(message + " Check the dataset's image root (see data/README.md), "
+                            "or set DATA.ON_BAD_IMAGE skip to leave them out.")
+        logger.warning(message + " They are left out (DATA.ON_BAD_IMAGE skip).")
+        self.num_skipped += len(missing)
+        gone = {id(r) for r in missing}
+        kept = [r for r in records if id(r) not in gone]
+        if not kept:
+            raise DataError(f"No image file of dataset '{self.name}' exists; check its image root.")
+        return kept
+
+
+def check_same_categories(datasets: Sequence[COCODataset]) -> None:
+    """Datasets used together must share one label space (same category ids and names)."""
+    first = datasets[0]
+    reference = list(zip(first.label_to_category_id.values(), first.class_names))
+    for other in datasets[1:]:
+        categories = list(zip(other.label_to_category_id.values(), other.class_names))
+        if categories != reference:
+            only_first = sorted(set(reference) - set(categories))
+            only_other = sorted(set(categories) - set(reference))
+            raise DataError(
+                f"Datasets '{first.name}' and '{other.name}' have different categories "
+                f"(only in '{first.name}': {only_first}; only in '{other.name}': {only_other}). "
+                "Datasets trained or tested together need the same category ids and names."
+            )
+
+
+def _check_size(image: np.ndarray, record: dict[str, Any]) -> None:
+    h, w = image.shape[:2]
+    if (h, w) != (record["height"], record["width"]):
+        raise DataError(
+            f"Image {record['file_name']} (image id {record['image_id']}) decodes to {w}x{h} pixels but the "
+            f"annotation file says {record['width']}x{record['height']}. Fix 'width'/'height' in the JSON."
+        )
+
+
+def _read_json(json_file: str, name: str) -> dict[str, Any]:
+    if not os.path.isfile(json_file):
+        raise DataError(f"Annotation file of dataset '{name}' not found: {json_file}. "
+                        "Check the path (see data/README.md for the expected layout).")
+    try:
+        with open(json_file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(f"Annotation file {json_file} of dataset '{name}' is not valid JSON: {exc}") from exc
+    if isinstance(data, list):
+        raise DataError(f"Annotation file {json_file} of dataset '{name}' holds a list (it looks like a detection "
+                        "results file), not a COCO dataset dict with 'images', 'annotations' and 'categories'.")
+    if not isinstance(data, dict) or not isinstance(data.get("images"), list) or not isinstance(
+        data.get("categories"), list
+    ):
+        keys = sorted(data)[:8] if isinstance(data, dict) else type(data).__name__
+        raise DataError(f"Annotation file {json_file} of dataset '{name}' is not in COCO format: it needs the lists "
+                        f"'images', 'annotations' and 'categories' (found {keys}).")
+    data.setdefault("annotations", [])  # image-info files (test sets) have none
+    if not isinstance(data["annotations"], list):
+        raise DataError(f"'annotations' in {json_file} must be a list of COCO annotations.")
+    return data
+
+
+def _check_categories(categories: list[Any], where: str) -> dict[int, str]:
+    result: dict[int, str] = {}
+    for i, cat in enumerate(categories):
+        if not isinstance(cat, dict) or not isinstance(cat.get("id"), int) or "name" not in cat:
+            raise DataError(f"Category #{i} in {where} needs an integer 'id' and a 'name', got {cat!r}.")
+        if cat["id"] in result:
+            raise DataError(f"Category id {cat['id']} appears twice in {where}; category ids must be unique.")
+        result[cat["id"]] = str(cat["name"])
+    if not result:
+        raise DataError(f"{where} defines no categories; add the 'categories' list.")
+    return result
+
+
+def _check_images(images: list[Any], image_root: str, where: str) -> dict[int, dict[str, Any]]:
+    result: dict[int, dict[str, Any]] = {}
+    for i, img in enumerate(images):
+        if not isinstance(img, dict) or "id" not in img or "file_name" not in img:
+            raise DataError(f"Image #{i} in {where} needs an 'id' and a 'file_name', got {img!r}.")
+        if img["id"] in result:
+            raise DataError(f"Image id {img['id']} appears twice in {where}; image ids must be unique.")
+        if not img.get("height") or not img.get("width"):
+            img["width"], img["height"] = _size_from_header(os.path.join(image_root, img["file_name"]), img["id"])
+        result[img["id"]] = img
+    return result
+
+
+def _size_from_header(path: str, image_id: Any) -> tuple[int, int]:
+    """(width, height) for images whose JSON entry lacks them, from the file header only."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            return im.size
+    except FileNotFoundError as exc:
+        raise DataError(f"Image {path} (image id {image_id}) has no width/height in the JSON and the file "
+                        "does not exist. Check the image root.") from exc
+    except (UnidentifiedImageError, OSError) as exc:
+        raise DataError(f"Image {path} (image id {image_id}) has no width/height in the JSON and the file "
+                        f"is not a readable image: {exc}") from exc
+
+
+def _check_annotations(
+    annotations: list[Any], images: dict[int, dict[str, Any]], categories: dict[int, str], where: str
+) -> list[dict[str, Any]]:
+    seen: set[Any] = set()
+    for i, ann in enumerate(annotations):
+        if not isinstance(ann, dict) or not {"id", "image_id", "category_id", "bbox"} <= ann.keys():
+            raise DataError(f"Annotation #{i} in {where} needs 'id', 'image_id', 'category_id' and 'bbox', "
+                            f"got {ann!r}.")
+        ann_id = ann["id"]
+        if ann_id in seen:
+            raise DataError(f"Annotation id {ann_id} appears twice in {where}; annotation ids must be unique.")
+        if ann_id == 0:
+            raise DataError(f"Annotation id 0 in {where}: pycocotools' COCOeval reads id 0 as 'unmatched', "
+                            "so the AP would be wrong. Number annotations from 1.")
+        seen.add(ann_id)
+        if ann["image_id"] not in images:
+            raise DataError(f"Annotation {ann_id} in {where} refers to image id {ann['image_id']!r}, "
+                            "which is not in 'images'. Fix the image_id or add the image.")
+        if ann["category_id"] not in categories:
+            raise DataError(f"Annotation {ann_id} in {where} (image id {ann['image_id']}) has category id "
+                            f"{ann['category_id']!r}, which is not in 'categories' (known ids: "
+                            f"{sorted(categories)}). Fix the category_id or add the category.")
+        bbox = ann["bbox"]
+        if not isinstance(bbox, (list, tuple)) or len(bbox) != 4 or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in bbox
+        ):
+            raise DataError(f"Annotation {ann_id} in {where} (image id {ann['image_id']}) has bbox {bbox!r}; "
+                            "COCO boxes are [x, y, width, height] numbers.")
+        ann.setdefault("iscrowd", 0)
+        ann.setdefault("area", float(bbox[2]) * float(bbox[3]))
+    return annotations
+
+
+class _BoxFixer:
+    """Turns COCO [x, y, w, h] into XYXY, rejecting (strict) or clipping/dropping bad boxes and counting them."""
+
+    def __init__(self, where: str, strict: bool) -> None:
+        self.where = where
+        self.strict = strict
+        self.clipped: list[Any] = []
+        self.dropped: list[Any] = []
+
+    def __call__(self, ann: dict[str, Any], width: int, height: int) -> list[float] | None:
+        x, y, w, h = (float(v) for v in ann["bbox"])
+        x1, y1, x2, y2 = x, y, x + w, y + h
+        degenerate = not (w > 0 and h > 0)
+        tol = _OUTSIDE_TOLERANCE
+        outside = x1 < -tol or y1 < -tol or x2 > width + tol or y2 > height + tol
+        if not (degenerate or outside):
+            return [max(x1, 0.0), max(y1, 0.0), min(x2, width), min(y2, height)]
+        problem = "has zero or negative size" if degenerate else f"lies outside the {width}x{height} image"
+        if self.strict:
+            raise DataError(f"Annotation {ann['id']} in {self.where} (image id {ann['image_id']}): bbox "
+                            f"{ann['bbox']} {problem}. Fix it, or set DATA.STRICT False to clip such boxes.")
+        box = [min(max(x1, 0.0), width), min(max(y1, 0.0), height), min(max(x2, 0.0), width),
+               min(max(y2, 0.0), height)]
+        if box[2] - box[0] <= 0 or box[3] - box[1] <= 0:
+            self.dropped.append(ann["id"])
+            return None
+        self.clipped.append(ann["id"])
+        return box
+
+    def report(self) -> None:
+        if self.clipped or self.dropped:
+            logger.warning(
+                f"{self.where}: clipped {len(self.clipped)} boxes that stick out of their image "
+                f"(e.g. annotation ids {self.clipped[:5]}) and dropped {len(self.dropped)} empty or fully "
+                f"outside boxes (e.g. {self.dropped[:5]}). Set DATA.STRICT True to reject them instead."
+            )

@@ -1,0 +1,142 @@
+"""Samplers that shard a dataset over distributed ranks.
+
+Training samplers yield ``(index, seed)``: the seed drives that sample's random
+transforms, so the stream of batches depends only on the base seed and the rank,
+never on the number of DataLoader workers. All ranks draw the same global order and
+each takes its own share, so they never overlap.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+from pet.utils import comm
+
+__all__ = ["TrainingSampler", "EpochSampler", "InferenceSampler", "GroupedBatchSampler", "BatchSampler"]
+
+_SEED_LIMIT = 2**31 - 1
+
+
+class TrainingSampler(Sampler):
+    """An infinite, seeded stream of shuffled passes over the data; rank r takes every world_size-th item."""
+
+    def __init__(self, size: int, seed: int, shuffle: bool = True, rank: int | None = None,
+                 world_size: int | None = None) -> None:
+        if size <= 0:
+            raise ValueError(f"TrainingSampler needs a non-empty dataset, got size {size}")
+        self.size = size
+        self.seed = int(seed)
+        self.shuffle = shuffle
+        self.rank = comm.get_rank() if rank is None else rank
+        self.world_size = comm.get_world_size() if world_size is None else world_size
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return itertools.islice(self._infinite(), self.rank, None, self.world_size)
+
+    def _infinite(self) -> Iterator[tuple[int, int]]:
+        g = torch.Generator().manual_seed(self.seed)
+        while True:
+            yield from _draw_pass(self.size, g, self.shuffle)
+
+
+class EpochSampler(Sampler):
+    """One shuffled pass per epoch, reshuffled by ``set_epoch``; every rank gets ceil(size / world_size) items.
+
+    The pass is padded by repeating its start so that all ranks run the same number of
+    iterations (as ``torch.utils.data.DistributedSampler`` does).
+    """
+
+    def __init__(self, size: int, seed: int, shuffle: bool = True, rank: int | None = None,
+                 world_size: int | None = None) -> None:
+        if size <= 0:
+            raise ValueError(f"EpochSampler needs a non-empty dataset, got size {size}")
+        self.size = size
+        self.seed = int(seed)
+        self.shuffle = shuffle
+        self.rank = comm.get_rank() if rank is None else rank
+        self.world_size = comm.get_world_size() if world_size is None else world_size
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return -(-self.size // self.world_size)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        g = torch.Generator().manual_seed(self.seed + self.epoch * 1_000_003)
+        items = _draw_pass(self.size, g, self.shuffle)
+        total = len(self) * self.world_size
+        items = (items * (-(-total // len(items))))[:total]
+        return iter(items[self.rank:total:self.world_size])
+
+
+class InferenceSampler(Sampler):
+    """Every index exactly once over all ranks, in order: rank r gets the contiguous slice [start, end)."""
+
+    def __init__(self, size: int, rank: int | None = None, world_size: int | None = None) -> None:
+        self.size = size
+        rank = comm.get_rank() if rank is None else rank
+        world_size = comm.get_world_size() if world_size is None else world_size
+        shard, extra = divmod(size, world_size)
+        self.start = rank * shard + min(rank, extra)
+        self.end = self.start + shard + (1 if rank < extra else 0)
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.start, self.end))
+
+
+class BatchSampler(torch.utils.data.BatchSampler):
+    """torch's BatchSampler, forwarding ``set_epoch`` to the sampler (the trainer calls it on the batch sampler)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+
+class GroupedBatchSampler(Sampler):
+    """Batches whose images share a group (e.g. landscape vs portrait), so less padding is needed.
+
+    Indices are buffered per group and a batch is emitted when a group has ``batch_size``
+    of them. For a finite sampler, the leftovers are batched together at the end in the
+    order they arrived, so a pass yields exactly ``len(sampler) // batch_size`` batches.
+    """
+
+    def __init__(self, sampler: Sampler, group_ids: Sequence[int] | np.ndarray, batch_size: int) -> None:
+        self.sampler = sampler
+        self.group_ids = np.asarray(group_ids)
+        self.batch_size = batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.batch_size  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[list]:
+        buckets: dict[int, list[tuple[int, object]]] = defaultdict(list)
+        for arrival, item in enumerate(self.sampler):
+            index = item[0] if isinstance(item, tuple) else item
+            bucket = buckets[int(self.group_ids[index])]
+            bucket.append((arrival, item))
+            if len(bucket) == self.batch_size:
+                yield [it for _, it in bucket]
+                bucket.clear()
+        leftovers = [it for _, it in sorted(itertools.chain.from_iterable(buckets.values()), key=lambda p: p[0])]
+        for start in range(0, len(leftovers) - self.batch_size + 1, self.batch_size):
+            yield leftovers[start:start + self.batch_size]
+
+
+def _draw_pass(size: int, g: torch.Generator, shuffle: bool) -> list[tuple[int, int]]:
+    order = torch.randperm(size, generator=g) if shuffle else torch.arange(size)
+    seeds = torch.randint(_SEED_LIMIT, (size,), generator=g)
+    return list(zip(order.tolist(), seeds.tolist()))

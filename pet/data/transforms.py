@@ -1,0 +1,163 @@
+"""Geometric transforms on images and their annotations, with opencv.
+
+An :class:`Augmentation` looks at an image size and draws a deterministic
+:class:`Transform` from a random generator; the transform is then applied to the
+image, the boxes and (for masks) the polygons, so every annotation stays consistent
+with the pixels. New annotation types only need an ``apply_*`` method built on
+``apply_coords``.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import cv2
+import numpy as np
+
+__all__ = [
+    "Transform", "NoOpTransform", "ResizeTransform", "HFlipTransform", "TransformList",
+    "Augmentation", "ResizeShortestEdge", "RandomFlip", "apply_augmentations",
+]
+
+
+class Transform:
+    """A fixed geometric transform. Subclasses define ``apply_image`` and ``apply_coords``."""
+
+    def apply_image(self, image: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def apply_coords(self, coords: np.ndarray) -> np.ndarray:
+        """Transform float points [N, 2] given as (x, y)."""
+        raise NotImplementedError
+
+    def apply_boxes(self, boxes: np.ndarray) -> np.ndarray:
+        """Transform XYXY boxes [N, 4]: the axis-aligned box around the four transformed corners."""
+        if len(boxes) == 0:
+            return boxes.astype(np.float32).reshape(0, 4)
+        corners = boxes[:, [0, 1, 2, 1, 0, 3, 2, 3]].reshape(-1, 2)
+        corners = self.apply_coords(corners).reshape(-1, 4, 2)
+        return np.concatenate([corners.min(axis=1), corners.max(axis=1)], axis=1).astype(np.float32)
+
+    def apply_polygons(self, polygons: list[np.ndarray]) -> list[np.ndarray]:
+        """Transform polygons, each a flat array (x0, y0, x1, y1, ...) as in COCO."""
+        return [self.apply_coords(np.asarray(p, dtype=np.float64).reshape(-1, 2)).reshape(-1) for p in polygons]
+
+
+class NoOpTransform(Transform):
+    def apply_image(self, image: np.ndarray) -> np.ndarray:
+        return image
+
+    def apply_coords(self, coords: np.ndarray) -> np.ndarray:
+        return coords
+
+
+class ResizeTransform(Transform):
+    """Resize from (h, w) to (new_h, new_w) with bilinear interpolation."""
+
+    def __init__(self, h: int, w: int, new_h: int, new_w: int) -> None:
+        self.h, self.w, self.new_h, self.new_w = h, w, new_h, new_w
+
+    def apply_image(self, image: np.ndarray) -> np.ndarray:
+        assert image.shape[:2] == (self.h, self.w), f"expected a {self.h}x{self.w} image, got {image.shape[:2]}"
+        if (self.new_h, self.new_w) == (self.h, self.w):
+            return image
+        return cv2.resize(image, (self.new_w, self.new_h), interpolation=cv2.INTER_LINEAR)
+
+    def apply_coords(self, coords: np.ndarray) -> np.ndarray:
+        coords = np.array(coords, dtype=np.float64)
+        coords[:, 0] *= self.new_w / self.w
+        coords[:, 1] *= self.new_h / self.h
+        return coords
+
+
+class HFlipTransform(Transform):
+    """Mirror an image of the given width left to right."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+
+    def apply_image(self, image: np.ndarray) -> np.ndarray:
+        return cv2.flip(image, 1)
+
+    def apply_coords(self, coords: np.ndarray) -> np.ndarray:
+        coords = np.array(coords, dtype=np.float64)
+        coords[:, 0] = self.width - coords[:, 0]
+        return coords
+
+
+class TransformList(Transform):
+    """Several transforms applied in order."""
+
+    def __init__(self, transforms: Sequence[Transform]) -> None:
+        self.transforms = [t for t in transforms if not isinstance(t, NoOpTransform)]
+
+    def apply_image(self, image: np.ndarray) -> np.ndarray:
+        for t in self.transforms:
+            image = t.apply_image(image)
+        return image
+
+    def apply_coords(self, coords: np.ndarray) -> np.ndarray:
+        for t in self.transforms:
+            coords = t.apply_coords(coords)
+        return coords
+
+
+class Augmentation:
+    """Draws a :class:`Transform` for an image of size (h, w)."""
+
+    def get_transform(self, height: int, width: int, rng: np.random.Generator) -> Transform:
+        raise NotImplementedError
+
+
+class ResizeShortestEdge(Augmentation):
+    """Scale so the shorter side is one of ``short_edge_lengths`` (drawn per image) and the longer at most ``max_size``.
+
+    A shorter side of 0 leaves the image as it is.
+    """
+
+    def __init__(self, short_edge_lengths: Sequence[int] | int, max_size: int) -> None:
+        lengths = [short_edge_lengths] if isinstance(short_edge_lengths, int) else list(short_edge_lengths)
+        if not lengths:
+            raise ValueError("ResizeShortestEdge needs at least one shorter-side length")
+        self.short_edge_lengths = lengths
+        self.max_size = max_size
+
+    def get_transform(self, height: int, width: int, rng: np.random.Generator) -> Transform:
+        short = self.short_edge_lengths[0] if len(self.short_edge_lengths) == 1 else int(
+            rng.choice(self.short_edge_lengths)
+        )
+        if short <= 0:
+            return NoOpTransform()
+        new_h, new_w = resized_shape(height, width, short, self.max_size)
+        return ResizeTransform(height, width, new_h, new_w)
+
+
+class RandomFlip(Augmentation):
+    """Horizontal flip with probability ``prob``."""
+
+    def __init__(self, prob: float = 0.5) -> None:
+        self.prob = prob
+
+    def get_transform(self, height: int, width: int, rng: np.random.Generator) -> Transform:
+        if self.prob > 0 and rng.random() < self.prob:
+            return HFlipTransform(width)
+        return NoOpTransform()
+
+
+def resized_shape(height: int, width: int, short: int, max_size: int) -> tuple[int, int]:
+    """(new_h, new_w) with the shorter side ``short``, scaled down if the longer one exceeds ``max_size``."""
+    scale = short / min(height, width)
+    if max_size > 0 and max(height, width) * scale > max_size:
+        scale = max_size / max(height, width)
+    return max(1, int(round(height * scale))), max(1, int(round(width * scale)))
+
+
+def apply_augmentations(
+    augmentations: Sequence[Augmentation], image: np.ndarray, rng: np.random.Generator
+) -> tuple[np.ndarray, TransformList]:
+    """Apply each augmentation to the image in turn; return the image and the combined transform."""
+    transforms = []
+    for aug in augmentations:
+        t = aug.get_transform(image.shape[0], image.shape[1], rng)
+        image = t.apply_image(image)
+        transforms.append(t)
+    return image, TransformList(transforms)

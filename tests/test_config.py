@@ -1,0 +1,83 @@
+"""Config loading: defaults <- YAML (with _BASE_) <- command line, and clear errors."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pet.config import default_output_dir, load_cfg
+from pet.utils.errors import ConfigError
+
+
+def write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def test_merge_order_defaults_yaml_base_and_command_line(tmp_path):
+    write(tmp_path / "base.yaml", "SOLVER:\n  BASE_LR: 0.1\n  MAX_ITER: 100\n")
+    child = write(tmp_path / "child.yaml", "_BASE_: base.yaml\nSOLVER:\n  MAX_ITER: 200\n")
+    cfg = load_cfg(child, ["SOLVER.MAX_ITER", "300"])
+    assert cfg.SOLVER.BASE_LR == 0.1  # from _BASE_
+    assert cfg.SOLVER.MAX_ITER == 300  # command line wins over the YAML
+    assert cfg.SOLVER.MOMENTUM == 0.9  # default kept
+
+
+def test_numbers_written_loosely_in_yaml_become_floats(tmp_path):
+    cfg = load_cfg(write(tmp_path / "a.yaml", "SOLVER:\n  BASE_LR: 1e-3\n  WEIGHT_DECAY: 0\n"))
+    assert cfg.SOLVER.BASE_LR == pytest.approx(0.001) and isinstance(cfg.SOLVER.WEIGHT_DECAY, float)
+
+
+def test_unknown_key_names_it_and_suggests(tmp_path):
+    cfg_file = write(tmp_path / "a.yaml", "SOLVER:\n  BASE_RL: 0.1\n")
+    with pytest.raises(ConfigError, match=r"Unknown config key 'SOLVER.BASE_RL'.*Did you mean 'SOLVER.BASE_LR'"):
+        load_cfg(cfg_file)
+    with pytest.raises(ConfigError, match=r"'MODEL.NUM_CLASES' in command line.*'MODEL.NUM_CLASSES'"):
+        load_cfg(None, ["MODEL.NUM_CLASES", "3"])
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(ConfigError, match=r"SOLVER.MAX_ITER.*expects int.*got str 'many'"):
+        load_cfg(None, ["SOLVER.MAX_ITER", "many"])
+
+
+def test_missing_file_and_yaml_syntax_error(tmp_path):
+    with pytest.raises(ConfigError, match="Config file not found: .*nope.yaml"):
+        load_cfg(str(tmp_path / "nope.yaml"))
+    bad = write(tmp_path / "bad.yaml", "SOLVER:\n  BASE_LR: [0.1\n")
+    with pytest.raises(ConfigError, match=r"YAML syntax error in .*bad.yaml:\d+"):
+        load_cfg(bad)
+
+
+@pytest.mark.parametrize(
+    "opts, message",
+    [
+        (["SOLVER.BASE_LR", "-0.1"], "SOLVER.BASE_LR must be > 0"),
+        (["SOLVER.IMS_PER_BATCH", "0"], "SOLVER.IMS_PER_BATCH must be > 0"),
+        (["SOLVER.OPTIMIZER", "Adam"], "SOLVER.OPTIMIZER must be SGD or AdamW"),
+        (["DEVICE", "tpu"], "DEVICE must be auto, cpu or cuda"),
+        (["SOLVER.MAX_ITER", "0"], "Set SOLVER.MAX_ITER"),
+    ],
+)
+def test_invalid_values_are_rejected(opts, message):
+    with pytest.raises(ConfigError, match=message):
+        load_cfg(None, opts)
+
+
+def test_odd_number_of_overrides():
+    with pytest.raises(ConfigError, match="KEY VALUE pairs"):
+        load_cfg(None, ["SOLVER.BASE_LR"])
+
+
+def test_default_output_dir_mirrors_cfgs_tree():
+    assert default_output_dir("cfgs/shapes/faster_rcnn_R-18-FPN.yaml") == os.path.join(
+        "ckpts", "shapes", "faster_rcnn_R-18-FPN")
+    assert default_output_dir("/somewhere/else/my.yaml") == os.path.join("ckpts", "my")
+
+
+def test_shipped_configs_load():
+    root = os.path.join(os.path.dirname(__file__), "..", "cfgs")
+    files = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".yaml")]
+    assert files, "no config files shipped under cfgs/"
+    for path in files:
+        load_cfg(path)

@@ -1,0 +1,159 @@
+"""Side-by-side benchmarks; each prints a table and writes JSON.
+
+    python tools/benchmark.py engine [--iters 5000] [--repeats 3] [--out FILE]
+
+engine: per-iteration overhead of Pet's Trainer (default hooks and writers) over a
+plain PyTorch loop on a trivial model (compute ~0; the same loader and SGD with momentum
+and weight decay everywhere), and MMEngine's Runner with its
+default hooks when mmengine is importable (it is not a Pet dependency: install it in
+the benchmark's own environment). Runs are interleaved and repeated; the median counts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+BATCH = 8
+
+
+class _Batches(torch.utils.data.Dataset):
+    """Pre-made ``{"x", "y"}`` batches: the loader does no work, so the loop overhead shows."""
+
+    def __init__(self, n: int) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.xs = torch.randn(n, BATCH, 4, generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.xs)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        x = self.xs[i]
+        return {"x": x, "y": x.sum(dim=1, keepdim=True)}
+
+
+def _first(items: list) -> dict[str, torch.Tensor]:
+    return items[0]
+
+
+def _make_loader(n: int) -> torch.utils.data.DataLoader:
+    """The same loader for every framework: batch_size 1 over pre-made batches, 0 workers."""
+    return torch.utils.data.DataLoader(_Batches(n), batch_size=1, shuffle=False, num_workers=0, collate_fn=_first)
+
+
+class _LossDictModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": torch.nn.functional.mse_loss(self.linear(x), y)}
+
+
+def run_plain(iters: int) -> float:
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    loader = _make_loader(iters)
+    start = time.perf_counter()
+    for batch in loader:
+        loss = torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return (time.perf_counter() - start) / iters
+
+
+def run_pet(iters: int) -> float:
+    from pet.config import load_cfg
+    from pet.engine.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_cfg(None, ["CKPT", tmp, "DEVICE", "cpu", "SOLVER.MAX_ITER", str(iters), "SOLVER.BASE_LR",
+                              "0.01", "SOLVER.WARMUP_ITERS", "0", "TRAIN.AUTO_RESUME", "False"])
+        trainer = Trainer(cfg, model=_LossDictModel(), data_loader=_make_loader(iters))
+        start = time.perf_counter()
+        trainer.train()
+        return (time.perf_counter() - start) / iters
+
+
+def run_mmengine(iters: int) -> float | None:
+    try:
+        from mmengine.model import BaseModel
+        from mmengine.runner import Runner
+    except ImportError:
+        return None
+
+    class MMModel(BaseModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 1)
+
+        def forward(self, x, y, mode="loss"):  # noqa: ANN001 - MMEngine's calling convention
+            return {"loss": torch.nn.functional.mse_loss(self.linear(x), y)}
+
+    loader = _make_loader(iters + 10)  # + 10: never exhausted (MMEngine sleeps 2 s when it is)
+    with tempfile.TemporaryDirectory() as tmp:
+        runner = Runner(
+            model=MMModel(),
+            work_dir=tmp,
+            train_dataloader=loader,
+            optim_wrapper={"optimizer": {"type": "SGD", "lr": 0.01, "momentum": 0.9, "weight_decay": 1e-4}},
+            train_cfg={"by_epoch": False, "max_iters": iters},
+            default_hooks={"checkpoint": {"type": "CheckpointHook", "interval": 10**9}},
+            log_level="WARNING",
+        )
+        start = time.perf_counter()
+        runner.train()
+        return (time.perf_counter() - start) / iters
+
+
+def engine(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(1)
+    logging.getLogger("pet").setLevel(logging.WARNING)
+    runners = {"plain": run_plain, "pet": run_pet, "mmengine": run_mmengine}
+    samples: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(args.repeats):
+        for name, fn in runners.items():  # interleaved: machine noise hits every framework alike
+            seconds = fn(args.iters)
+            if seconds is not None:
+                samples[name].append(seconds * 1e6)
+    us = {name: statistics.median(v) for name, v in samples.items() if v}
+    overhead = {name: us[name] - us["plain"] for name in us if name != "plain"}
+    print(f"engine overhead, trivial model, {args.iters} iterations x {args.repeats} repeats (median), 1 thread")
+    print(f"{'loop':<10} {'us/iter':>10} {'overhead us':>12}")
+    for name, value in us.items():
+        print(f"{name:<10} {value:>10.1f} {overhead.get(name, 0.0):>12.1f}")
+    if "mmengine" in overhead:
+        print(f"Pet overhead / MMEngine overhead = {overhead['pet'] / overhead['mmengine']:.2f}")
+    return {"us_per_iter": us, "overhead_us": overhead, "samples_us": samples}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("engine", help="trainer overhead per iteration")
+    p.add_argument("--iters", type=int, default=5000)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="benchmarks/engine.json")
+    args = parser.parse_args()
+    result = {"command": " ".join(sys.argv), "machine": f"{platform.processor() or platform.machine()}, "
+              f"{os.cpu_count()} cores", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+              **{"engine": engine}[args.command](args)}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
