@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import signal
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -41,6 +42,11 @@ class PetDataLoader(DataLoader):
     Without this, PyTorch would re-raise it in the main process wrapped in the worker's
     traceback text.
     """
+
+    def set_start_iter(self, start_iter: int) -> None:
+        """Make the next pass start at batch ``start_iter`` (used when training resumes)."""
+        if hasattr(self.batch_sampler, "set_start_iter"):
+            self.batch_sampler.set_start_iter(start_iter)
 
     def __iter__(self) -> Iterator[Any]:
         for batch in super().__iter__():
@@ -152,7 +158,13 @@ def log_instances_table(dataset: COCODataset) -> None:
 
 
 def seed_worker(worker_id: int) -> None:
-    """Seed Python and NumPy in a worker from the torch seed the DataLoader gave it (itself seeded per run)."""
+    """Seed Python and NumPy in a worker from the torch seed the DataLoader gave it (itself seeded per run).
+
+    Workers ignore SIGINT / SIGTERM: Ctrl-C reaches the whole process group, and the
+    main process must survive it to save a checkpoint before it shuts its workers down.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     seed = torch.initial_seed() % 2**32
     random.seed(seed)
     np.random.seed(seed)

@@ -94,15 +94,35 @@ class InferenceSampler(Sampler):
         return iter(range(self.start, self.end))
 
 
-class BatchSampler(torch.utils.data.BatchSampler):
+class _ResumableBatches:
+    """``set_start_iter(n)``: the next pass starts at its n-th batch, as an uninterrupted run would.
+
+    Batches are formed from indices alone, so skipping costs no image decoding; a
+    resumed run then sees exactly the batches (and per-sample seeds) it would have seen.
+    """
+
+    _start_iter = 0
+
+    def set_start_iter(self, start_iter: int) -> None:
+        self._start_iter = start_iter
+
+    def _resume(self, batches: Iterator[list]) -> Iterator[list]:
+        skip, self._start_iter = self._start_iter, 0
+        return itertools.islice(batches, skip, None)
+
+
+class BatchSampler(_ResumableBatches, torch.utils.data.BatchSampler):
     """torch's BatchSampler, forwarding ``set_epoch`` to the sampler (the trainer calls it on the batch sampler)."""
 
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
 
+    def __iter__(self) -> Iterator[list]:
+        return self._resume(super().__iter__())
 
-class GroupedBatchSampler(Sampler):
+
+class GroupedBatchSampler(_ResumableBatches, Sampler):
     """Batches whose images share a group (e.g. landscape vs portrait), so less padding is needed.
 
     Indices are buffered per group and a batch is emitted when a group has ``batch_size``
@@ -123,6 +143,9 @@ class GroupedBatchSampler(Sampler):
         return len(self.sampler) // self.batch_size  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[list]:
+        return self._resume(self._batches())
+
+    def _batches(self) -> Iterator[list]:
         buckets: dict[int, list[tuple[int, object]]] = defaultdict(list)
         for arrival, item in enumerate(self.sampler):
             index = item[0] if isinstance(item, tuple) else item

@@ -77,7 +77,7 @@ def launch_cli(main: Callable[[], None]) -> None:
                 handler.emit(logging.makeLogRecord({"name": "pet", "levelname": "ERROR", "levelno": 40,
                                                     "msg": str(exc)}))
         print(f"Error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(getattr(exc, "exit_code", 2))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

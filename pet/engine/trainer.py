@@ -10,6 +10,8 @@ import contextlib
 import logging
 import math
 import os
+import signal
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -31,7 +33,7 @@ from pet.engine.events import EventStorage
 from pet.engine.hooks.base import HookDispatcher, TrainHook, get_priority
 from pet.engine.optim import build_lr_scheduler, build_optimizer
 from pet.utils import comm
-from pet.utils.errors import TrainingError
+from pet.utils.errors import TrainingError, TrainingInterrupted
 from pet.utils.registry import META_ARCH_REGISTRY
 from pet.utils.tensor import move_to_device
 
@@ -120,6 +122,7 @@ class Trainer:
         self.iter = self.start_iter = 0
         self.epoch = 0
         self.stop_training = False
+        self._stop_signal: int | None = None
         self.nonfinite_skipped = 0
         self.last_step_seconds = 0.0
         self.last_data_seconds = 0.0
@@ -233,7 +236,7 @@ class Trainer:
         logger.info(f"Hooks in call order:\n{self.hook_order_table()}")
         logger.info(f"Starting training from iteration {self.start_iter} to {self.max_iter}")
         self.model.train()
-        with EventStorage(self.start_iter) as self.storage:
+        with EventStorage(self.start_iter) as self.storage, self._stop_on_signals():
             try:
                 self.call_hooks("before_train")
                 if self.max_epochs > 0:
@@ -247,7 +250,7 @@ class Trainer:
 
     def _train_iterations(self) -> None:
         self.call_hooks("before_epoch")
-        self._data_iter = iter(self.data_loader)
+        self._data_iter = self._start_pass(self.start_iter)
         while self.iter < self.max_iter and not self.stop_training:
             self._step()
         self.call_hooks("after_epoch")
@@ -260,7 +263,7 @@ class Trainer:
                 if hasattr(holder, "set_epoch"):
                     holder.set_epoch(self.epoch)
             self.call_hooks("before_epoch")
-            self._data_iter = self._skip(iter(self.data_loader), skip)
+            self._data_iter = self._start_pass(skip)
             skip = 0
             end = (self.epoch + 1) * self.iters_per_epoch
             while self.iter < end and not self.stop_training:
@@ -268,10 +271,17 @@ class Trainer:
             self.call_hooks("after_epoch")
             self.epoch += 1
 
-    @staticmethod
-    def _skip(iterator: Iterator[Any], count: int) -> Iterator[Any]:
-        # Resuming mid-epoch: the sampler order is fixed per epoch, so drop the batches already seen.
-        for _ in range(count):
+    def _start_pass(self, skip_batches: int) -> Iterator[Any]:
+        """An iterator over the loader that starts after ``skip_batches`` batches (resuming).
+
+        A loader with ``set_start_iter`` skips by index arithmetic; any other loader has
+        its first batches drawn and dropped.
+        """
+        if hasattr(self.data_loader, "set_start_iter"):
+            self.data_loader.set_start_iter(skip_batches)
+            return iter(self.data_loader)
+        iterator = iter(self.data_loader)
+        for _ in range(skip_batches):
             next(iterator)
         return iterator
 
@@ -281,6 +291,44 @@ class Trainer:
         self.run_step()
         self.call_hooks("after_step")
         self.iter += 1
+        if self._stop_signal is not None and self._all_ranks_stop():
+            self._stop_for_signal()
+
+    @contextlib.contextmanager
+    def _stop_on_signals(self) -> Iterator[None]:
+        """SIGTERM / SIGINT finish the current step, save a checkpoint and stop (a second one stops at once)."""
+        self._stop_signal = None
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def request_stop(signum: int, frame: Any) -> None:
+            if self._stop_signal is not None:
+                raise KeyboardInterrupt
+            self._stop_signal = signum
+            logger.warning(f"Received {signal.Signals(signum).name}: stopping after the current iteration")
+
+        previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _all_ranks_stop(self) -> bool:
+        # Every rank must stop after the same step, or the next collective would hang.
+        if comm.get_world_size() == 1:
+            return True
+        return bool(comm.reduce_scalars({"stop": 1.0}, maximum=("stop",))["stop"])
+
+    def _stop_for_signal(self) -> None:
+        name = signal.Signals(self._stop_signal).name
+        path = self.save_checkpoint(f"model_iter{self.completed_iters}.pth")
+        raise TrainingInterrupted(
+            f"Training stopped by {name} after iteration {self.completed_iters}; checkpoint {path}. "
+            "Run the same command to resume from it.",
+            exit_code=128 + int(self._stop_signal),
+        )
 
     def run_step(self) -> None:
         """One iteration: fetch a batch, forward, check the loss is finite, backward, step."""

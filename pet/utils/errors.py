@@ -21,3 +21,11 @@ class DataError(PetError):
 
 class TrainingError(PetError):
     """Training cannot go on (for example a non-finite loss)."""
+
+
+class TrainingInterrupted(PetError):
+    """Training was stopped on request (SIGTERM / SIGINT) after saving a checkpoint."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
