@@ -121,6 +121,8 @@ def _merge_dict(cfg: CfgNode, values: dict, source: str, prefix: str = "") -> No
 
 
 def _coerce(value: Any, default: Any, full_key: str, source: str) -> Any:
+    if isinstance(value, str) and not isinstance(default, str):
+        value = _parse_literal(value)  # YAML leaves "(1, 2)" or "[a]" a string; so does yacs' decoder
     if default is None or value is None or type(value) is type(default):
         return value
     if isinstance(default, float) and not isinstance(value, bool):

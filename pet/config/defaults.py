@@ -67,28 +67,36 @@ _C.MODEL.PIXEL_STD = [58.395, 57.12, 57.375]
 _C.MODEL.CHANNELS_LAST = True
 
 _C.MODEL.BACKBONE = CN()
+# Registered backbone builder (pet.modeling.BACKBONE_REGISTRY): ResNet + FPN.
+_C.MODEL.BACKBONE.TYPE = "resnet_fpn"
 # torchvision ResNet: resnet18, resnet34, resnet50 or resnet101.
 _C.MODEL.BACKBONE.NAME = "resnet50"
 # Normalisation in the backbone: "FrozenBN", "BN" or "SyncBN".
 _C.MODEL.BACKBONE.NORM = "FrozenBN"
 # Freeze the stem and the first FREEZE_AT-1 residual stages (0: train everything;
-# 2: stem and res2 frozen, as torchvision's trainable_backbone_layers=3).
+# 2: stem and res2 frozen, as torchvision's trainable_backbone_layers=3). Frozen stages use FrozenBN.
 _C.MODEL.BACKBONE.FREEZE_AT = 2
 
 _C.MODEL.FPN = CN()
 # Channels of every FPN level.
 _C.MODEL.FPN.OUT_CHANNELS = 256
+# ResNet stages fed to the FPN (1 = layer1/C2 ... 4 = layer4/C5); RetinaNet/FCOS use [2, 3, 4].
+_C.MODEL.FPN.RETURNED_LAYERS = [1, 2, 3, 4]
+# Extra coarser levels: "maxpool" (P6 = stride-2 max-pool of the last level; Faster/Mask R-CNN)
+# or "p6p7" (P6, P7 by stride-2 3x3 convs; RetinaNet/FCOS).
+_C.MODEL.FPN.TOP_BLOCK = "maxpool"
 
 _C.MODEL.RPN = CN()
-# Anchor sizes per FPN level (one list per level, P2..P6).
+# Anchor sizes in input pixels, one list per FPN level (P2..P6 for Faster R-CNN), same length each.
 _C.MODEL.RPN.ANCHOR_SIZES = [[32], [64], [128], [256], [512]]
 # Anchor aspect ratios (height / width), shared by every level.
 _C.MODEL.RPN.ASPECT_RATIOS = [0.5, 1.0, 2.0]
-# Proposals kept per level before NMS and in total after NMS, per image.
+# Proposals kept per FPN level before NMS, and per image after NMS, in training / testing.
 _C.MODEL.RPN.PRE_NMS_TOPK_TRAIN = 2000
 _C.MODEL.RPN.PRE_NMS_TOPK_TEST = 1000
 _C.MODEL.RPN.POST_NMS_TOPK_TRAIN = 2000
 _C.MODEL.RPN.POST_NMS_TOPK_TEST = 1000
+# IoU of the NMS between proposals.
 _C.MODEL.RPN.NMS_THRESH = 0.7
 # IoU above which an anchor is foreground, below which it is background.
 _C.MODEL.RPN.FG_IOU_THRESH = 0.7
@@ -110,9 +118,11 @@ _C.MODEL.ROI_HEADS.NMS_THRESH_TEST = 0.5
 _C.MODEL.ROI_HEADS.DETECTIONS_PER_IMAGE = 100
 
 _C.MODEL.ROI_BOX_HEAD = CN()
-# Width of the two fully-connected layers of the box head.
+# Registered box head (pet.modeling.ROI_BOX_HEAD_REGISTRY) or a dotted import path.
+_C.MODEL.ROI_BOX_HEAD.NAME = "TwoMLPHead"
+# Width of the box head's output (for TwoMLPHead: of both fully-connected layers).
 _C.MODEL.ROI_BOX_HEAD.MLP_DIM = 1024
-# RoIAlign output size and sampling ratio.
+# RoIAlign output size (S x S) and samples per bin (0: adaptive, as many as the bin covers).
 _C.MODEL.ROI_BOX_HEAD.POOLER_RESOLUTION = 7
 _C.MODEL.ROI_BOX_HEAD.POOLER_SAMPLING_RATIO = 2
 

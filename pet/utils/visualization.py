@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Sequence
 
 import cv2
@@ -75,7 +76,7 @@ def draw_detections(
         cv2.rectangle(canvas, (x0, y0), (x1, y1), (255, 255, 255), 1, cv2.LINE_AA)
     palette = plt.get_cmap("tab10")
     for box, label, score in zip(boxes, labels, scores):
-        color = tuple(int(255 * c) for c in palette(hash(label) % 10)[:3])
+        color = tuple(int(255 * c) for c in palette(zlib.crc32(label.encode()) % 10)[:3])
         x0, y0, x1, y1 = (int(round(v)) for v in box)
         cv2.rectangle(canvas, (x0, y0), (x1, y1), color, 2, cv2.LINE_AA)
         text = f"{label} {score:.2f}"

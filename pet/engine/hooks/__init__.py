@@ -13,7 +13,7 @@ from fvcore.common.config import CfgNode
 from pet.engine.events import CommonMetricPrinter, EventWriter, JSONWriter, TensorboardXWriter
 from pet.engine.hooks.base import HOOKS, MOUNT_POINTS, HookDispatcher, Priority, TrainHook, get_priority
 from pet.engine.hooks.checkpoint import CheckpointHook
-from pet.engine.hooks.common import IterationTimer, LRScheduler, PeriodicWriter, PreciseBN
+from pet.engine.hooks.common import IterationTimer, LRScheduler, PeriodicWriter, PreciseBN, TrainingCurves
 from pet.engine.hooks.test_hook import TestHook
 from pet.utils import comm
 from pet.utils.registry import Registry, build_from_spec
@@ -32,6 +32,7 @@ __all__ = [
     "LRScheduler",
     "PreciseBN",
     "CheckpointHook",
+    "TrainingCurves",
     "build_train_hooks",
     "build_writers",
     "build_custom_hooks",
@@ -81,6 +82,8 @@ def build_train_hooks(cfg: CfgNode, trainer: Any) -> list[TrainHook]:
         hooks.append(
             PeriodicWriter(lambda t: build_writers(cfg, t.max_iter, t.start_iter), period=cfg.DISPLAY_ITER)
         )
+        if cfg.TRAIN.SAVE_AS_JSON:
+            hooks.append(TrainingCurves(cfg.CKPT))
     hooks.extend(build_custom_hooks(cfg.HOOKS.CUSTOM, cfg.CKPT))
     return hooks
 

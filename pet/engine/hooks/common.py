@@ -11,11 +11,11 @@ from typing import Any
 import torch
 from fvcore.nn.precise_bn import get_bn_modules, update_bn_stats
 
-from pet.engine.events import EventStorage, EventWriter
+from pet.engine.events import EventStorage, EventWriter, read_metrics
 from pet.engine.hooks.base import HOOKS, Priority, TrainHook
 from pet.utils.tensor import move_to_device
 
-__all__ = ["PeriodicWriter", "IterationTimer", "LRScheduler", "PreciseBN"]
+__all__ = ["PeriodicWriter", "IterationTimer", "LRScheduler", "PreciseBN", "TrainingCurves"]
 
 logger = logging.getLogger(__name__)
 
@@ -219,3 +219,30 @@ class PreciseBN(TrainHook):
                 self._batches = iter(self._loader)
                 batch = next(self._batches)
             yield batch
+
+
+@HOOKS.register()
+class TrainingCurves(TrainHook):
+    """Draws ``curves.png`` (losses, lr, validation AP against iteration) from ``metrics.json`` after training.
+
+    Runs last, after the writers have flushed; also after a failed or stopped run, so
+    the picture shows how far it got. ``tools/plot_metrics.py`` redraws it any time.
+    """
+
+    priority = Priority.LOWEST
+
+    def __init__(self, output_dir: str, filename: str = "curves.png") -> None:
+        self.output_dir = output_dir
+        self.filename = filename
+
+    def after_train(self, **kwargs: Any) -> None:
+        from pet.utils.visualization import plot_training_curves
+
+        metrics = os.path.join(self.output_dir, "metrics.json")
+        if not os.path.isfile(metrics):
+            return
+        records = read_metrics(metrics)
+        if records:
+            out = plot_training_curves([records], os.path.join(self.output_dir, self.filename),
+                                       [os.path.basename(os.path.normpath(self.output_dir))])
+            logger.info(f"Training curves: {out}")

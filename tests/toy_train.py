@@ -1,0 +1,60 @@
+"""A toy training run driven by the reliability tests in a subprocess (real signals, real kills).
+
+    python tests/toy_train.py --ckpt DIR --max-iter N [--sleep S] [--nan-at N] [--interval N] [KEY VALUE ...]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from conftest import InfiniteToyLoader, ToyModel  # noqa: E402
+
+from pet.config import load_cfg  # noqa: E402
+from pet.engine.defaults import launch_cli, seed_everything  # noqa: E402
+from pet.engine.trainer import Trainer  # noqa: E402
+from pet.utils.logger import setup_logger  # noqa: E402
+
+
+class ScriptedModel(ToyModel):
+    def __init__(self, sleep: float, nan_at: int) -> None:
+        super().__init__()
+        self.sleep = sleep
+        self.nan_at = nan_at
+        self.calls = 0
+
+    def forward(self, x, y):
+        self.calls += 1
+        time.sleep(self.sleep)
+        losses = super().forward(x, y)
+        if self.calls == self.nan_at:
+            losses["loss_l1"] = losses["loss_l1"] * float("nan")
+        return losses
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--max-iter", required=True)
+    parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--nan-at", type=int, default=-1)
+    parser.add_argument("--interval", default="1")
+    args, opts = parser.parse_known_args()
+    torch.set_num_threads(1)
+    cfg = load_cfg(None, ["CKPT", args.ckpt, "DEVICE", "cpu", "SOLVER.MAX_ITER", args.max_iter, "SOLVER.BASE_LR",
+                          "0.01", "SOLVER.WARMUP_ITERS", "3", "DISPLAY_ITER", "1",
+                          "HOOKS.CHECKPOINT.INTERVAL", args.interval, *opts])
+    setup_logger(cfg.CKPT)
+    seed_everything(cfg.SEED)
+    trainer = Trainer(cfg, model=ScriptedModel(args.sleep, args.nan_at), data_loader=InfiniteToyLoader())
+    trainer.resume_or_load(resume=True)
+    trainer.train()
+
+
+if __name__ == "__main__":
+    launch_cli(main)
