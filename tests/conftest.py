@@ -66,3 +66,31 @@ def make_cfg(tmp_path):
         return load_cfg(None, base + [str(o) for o in opts], freeze=freeze)
 
     return _make
+
+
+class IndexedToyLoader(ToyLoader):
+    """Batch ``i`` depends only on ``i`` (seeded by ``seed + i``); ``set_start_iter`` jumps to a batch.
+
+    The trainer calls ``set_start_iter`` at the start of every pass, so a resumed run sees
+    exactly the batches an uninterrupted one would. ``num_batches <= 0``: infinite.
+    """
+
+    def __init__(self, num_batches: int = 0, batch_size: int = 8, seed: int = 0) -> None:
+        super().__init__(num_batches, batch_size, seed)
+        self.start_iter = 0
+        self.start_iters: list[int] = []
+
+    def set_start_iter(self, start_iter: int) -> None:
+        self.start_iter = start_iter
+        self.start_iters.append(start_iter)
+
+    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.seed + index)
+        x = torch.randn(self.batch_size, 4, generator=gen) * 3
+        return x, x.sum(dim=1, keepdim=True)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        index = self.start_iter
+        while self.num_batches <= 0 or index < self.num_batches:
+            yield self.batch(index)
+            index += 1

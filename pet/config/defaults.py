@@ -186,44 +186,53 @@ _C.HOOKS = CN()
 _C.HOOKS.CUSTOM = []
 
 _C.HOOKS.CHECKPOINT = CN()
-# Save every INTERVAL iterations (or epochs with BY_EPOCH); <= 0 saves only the last.
+# Save model_iter{N}.pth every INTERVAL iterations (model_epoch{N}.pth every INTERVAL epochs with
+# BY_EPOCH, which needs SOLVER.MAX_EPOCHS > 0); <= 0 saves only the last.
 _C.HOOKS.CHECKPOINT.INTERVAL = 5000
 _C.HOOKS.CHECKPOINT.BY_EPOCH = False
-# Keep optimizer / scheduler state in regular checkpoints (needed to resume exactly).
+# Keep optimizer / scheduler state in checkpoints (without them a resume restarts momentum / schedule).
 _C.HOOKS.CHECKPOINT.SAVE_OPTIMIZER = True
 _C.HOOKS.CHECKPOINT.SAVE_SCHEDULER = True
-# Directory for checkpoints; empty means CKPT.
+# Directory for checkpoints; empty means CKPT (CKPT/last_checkpoint then holds the absolute path).
 _C.HOOKS.CHECKPOINT.OUT_DIR = ""
 # Keep only the newest MAX_KEEP regular checkpoints (<= 0 keeps all; best ones never count).
 _C.HOOKS.CHECKPOINT.MAX_KEEP = -1
-# Always save after the last iteration.
+# Save after the last iteration (and link it as model_final.pth).
 _C.HOOKS.CHECKPOINT.SAVE_LAST = True
-# Metric name(s) whose best value is kept as model_best_{metric}.pth; "auto" = first metric.
+# Validation metric(s) whose best value is kept as model_best_{metric}.pth, replaced on strict
+# improvement; "auto" = the first metric of the first validation. Needs TEST.EVAL_PERIOD > 0.
 _C.HOOKS.CHECKPOINT.SAVE_BEST = []
-# "greater" or "less"; empty infers it from the metric name.
+# "greater" or "less" for every SAVE_BEST metric; empty infers it from each name (AP/acc: greater, loss: less).
 _C.HOOKS.CHECKPOINT.RULE = ""
-# First step (iteration or epoch) to save; then every INTERVAL.
+# First step (iteration, or epoch with BY_EPOCH) to save at; then every INTERVAL.
 _C.HOOKS.CHECKPOINT.SAVE_BEGIN = 0
-# After training, also write a slim copy holding only these top-level keys.
+# After training, also write model_final-{sha256[:8]}.pth holding only these top-level keys (e.g. ["model"]).
 _C.HOOKS.CHECKPOINT.PUBLISHED_KEYS = []
 
+# Exponential moving average of the weights, used for validation, test_net.py and checkpoints' "model".
 _C.HOOKS.EMA = CN()
 _C.HOOKS.EMA.ENABLED = False
 # new_ema = (1 - MOMENTUM) * ema + MOMENTUM * weights
 _C.HOOKS.EMA.MOMENTUM = 0.0002
+# Update the average every INTERVAL iterations.
 _C.HOOKS.EMA.INTERVAL = 1
+# First iteration (1-based) / epoch (1-based, epoch mode) averaged; before it the EMA copies the weights.
 _C.HOOKS.EMA.BEGIN_ITER = 0
 _C.HOOKS.EMA.BEGIN_EPOCH = 0
-# Raise the momentum early in training: momentum = max(MOMENTUM, (1 + step) / (ANNEAL + step)); 0 disables.
+# Start with a momentum near 1 decaying to MOMENTUM:
+# m = MOMENTUM + (1 - MOMENTUM) * exp(-(1 + updates) / ANNEAL_ITERS); 0 disables.
 _C.HOOKS.EMA.ANNEAL_ITERS = 0
 
+# Stop training when a validation metric stops improving (needs TEST.EVAL_PERIOD > 0).
 _C.HOOKS.EARLY_STOPPING = CN()
 _C.HOOKS.EARLY_STOPPING.ENABLED = False
 # Metric to watch (as put by EvalHook, e.g. "bbox/AP").
 _C.HOOKS.EARLY_STOPPING.MONITOR = "bbox/AP"
+# "greater" or "less"; empty infers it from MONITOR (AP/acc: greater, loss: less).
 _C.HOOKS.EARLY_STOPPING.RULE = ""
+# An improvement must beat the best value by more than this.
 _C.HOOKS.EARLY_STOPPING.MIN_DELTA = 0.0
-# Validations without improvement before stopping.
+# Stop at the PATIENCE-th validation in a row without improvement.
 _C.HOOKS.EARLY_STOPPING.PATIENCE = 5
 # Stop as soon as the metric reaches this value (None: never).
 _C.HOOKS.EARLY_STOPPING.STOPPING_THRESHOLD = None
@@ -232,6 +241,7 @@ _C.HOOKS.EARLY_STOPPING.CHECK_FINITE = True
 # A missing metric is an error instead of a warning.
 _C.HOOKS.EARLY_STOPPING.STRICT = False
 
+# Release cached CUDA memory after each validation and, as chosen, each iteration / epoch.
 _C.HOOKS.EMPTY_CACHE = CN()
 _C.HOOKS.EMPTY_CACHE.ENABLED = False
 _C.HOOKS.EMPTY_CACHE.AFTER_ITER = False
@@ -241,12 +251,13 @@ _C.HOOKS.SYNC_BUFFERS = CN()
 # All-reduce buffers (BN statistics) across processes before validation and at epoch end.
 _C.HOOKS.SYNC_BUFFERS.ENABLED = True
 
+# torch.profiler over a few iterations.
 _C.HOOKS.PROFILER = CN()
 _C.HOOKS.PROFILER.ENABLED = False
-# Iterations [start, end) to profile.
+# Iterations [START_ITER, END_ITER) to profile (0-based).
 _C.HOOKS.PROFILER.START_ITER = 10
 _C.HOOKS.PROFILER.END_ITER = 15
-# "table" prints the top operators to CKPT/profiler.txt; "tensorboard" writes a trace.
+# "table" writes the top operators to CKPT/profiler.txt; "tensorboard" writes a trace under CKPT/profiler.
 _C.HOOKS.PROFILER.OUTPUT = "table"
 
 # ---------------------------------------------------------------------------------------
@@ -258,7 +269,8 @@ _C.TEST.DATASETS = ("shapes_val",)
 _C.TEST.WEIGHTS = ""
 # Images per batch summed over all processes.
 _C.TEST.IMS_PER_BATCH = 1
-# Validate every EVAL_PERIOD iterations (epochs in epoch mode) during training; 0: only at the end.
+# Validate every EVAL_PERIOD iterations (epochs in epoch mode) and after training; 0: no validation
+# while training (test_net.py evaluates the final model).
 _C.TEST.EVAL_PERIOD = 0
 # Extra test hooks (TestHook subclasses), each {type: ..., <kwarg>: ...}.
 _C.TEST.HOOKS = []

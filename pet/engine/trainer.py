@@ -213,7 +213,9 @@ class Trainer:
             logger.info(f"Initialised from {self.cfg.TRAIN.WEIGHTS} (not a resume: training starts at iteration 0)")
 
     def load_resume_state(self, state: dict[str, Any]) -> None:
-        unwrap_model(self.model).load_state_dict(state["model"])
+        # With EMAHook, "model" holds the averaged weights (what test and deployment use)
+        # and "model_raw" the ones training continues from.
+        unwrap_model(self.model).load_state_dict(state.get("model_raw", state["model"]))
         if state.get("optimizer"):
             self.optimizer.load_state_dict(state["optimizer"])
         if state.get("scheduler") and self.scheduler is not None:

@@ -2,6 +2,21 @@
 
 ``build_train_hooks(cfg, trainer)`` assembles the default set from the config; hooks
 named in ``HOOKS.CUSTOM`` (registry name or dotted path) are added with their priority.
+Default order (lower priority value runs first; equal values keep this order):
+
+    priority  hook               added when
+    0         ProfilerHook       HOOKS.PROFILER.ENABLED (wraps the step only)
+    10        IterationTimer     always
+    30        LRScheduler        always
+    40        PreciseBN          TEST.PRECISE_BN.ENABLED
+    50        EMAHook            HOOKS.EMA.ENABLED (averages before validation uses it)
+    50        SyncBuffersHook    HOOKS.SYNC_BUFFERS.ENABLED and more than one process
+    50        EmptyCacheHook     HOOKS.EMPTY_CACHE.ENABLED
+    60        EvalHook           TEST.EVAL_PERIOD > 0 and TEST.DATASETS
+    70        EarlyStoppingHook  HOOKS.EARLY_STOPPING.ENABLED (acts in after_val)
+    70        PeriodicWriter     main process (after EvalHook: writes include the metrics)
+    90        CheckpointHook     always (last: a checkpoint holds the whole step)
+    100       TrainingCurves     main process with TRAIN.SAVE_AS_JSON
 """
 from __future__ import annotations
 
@@ -14,6 +29,10 @@ from pet.engine.events import CommonMetricPrinter, EventWriter, JSONWriter, Tens
 from pet.engine.hooks.base import HOOKS, MOUNT_POINTS, HookDispatcher, Priority, TrainHook, get_priority
 from pet.engine.hooks.checkpoint import CheckpointHook
 from pet.engine.hooks.common import IterationTimer, LRScheduler, PeriodicWriter, PreciseBN, TrainingCurves
+from pet.engine.hooks.early_stopping import EarlyStoppingHook
+from pet.engine.hooks.ema import EMAHook
+from pet.engine.hooks.evaluation import EvalHook, default_eval_function, metric_rule
+from pet.engine.hooks.misc import EmptyCacheHook, ProfilerHook, SyncBuffersHook
 from pet.engine.hooks.test_hook import TestHook
 from pet.utils import comm
 from pet.utils.registry import Registry, build_from_spec
@@ -33,6 +52,14 @@ __all__ = [
     "PreciseBN",
     "CheckpointHook",
     "TrainingCurves",
+    "EvalHook",
+    "EMAHook",
+    "EarlyStoppingHook",
+    "EmptyCacheHook",
+    "SyncBuffersHook",
+    "ProfilerHook",
+    "default_eval_function",
+    "metric_rule",
     "build_train_hooks",
     "build_writers",
     "build_custom_hooks",
@@ -72,12 +99,32 @@ def build_custom_hooks(specs: list[dict[str, Any]], output_dir: str) -> list[Tra
 
 
 def build_train_hooks(cfg: CfgNode, trainer: Any) -> list[TrainHook]:
-    """The default hooks for ``cfg``. Only the main process writes logs and files."""
+    """The default hooks for ``cfg`` (order: see the module docstring). Only the main process writes."""
     hooks: list[TrainHook] = [IterationTimer(), LRScheduler()]
     if cfg.TEST.PRECISE_BN.ENABLED:
         hooks.append(PreciseBN(cfg.TEST.PRECISE_BN.PERIOD, cfg.TEST.PRECISE_BN.NUM_ITER))
-    checkpoint = cfg.HOOKS.CHECKPOINT
-    hooks.append(CheckpointHook(checkpoint.INTERVAL, checkpoint.SAVE_LAST, checkpoint.OUT_DIR))
+    h = cfg.HOOKS
+    if h.EMA.ENABLED:
+        hooks.append(EMAHook(h.EMA.MOMENTUM, h.EMA.INTERVAL, h.EMA.BEGIN_ITER, h.EMA.BEGIN_EPOCH, h.EMA.ANNEAL_ITERS))
+    if h.SYNC_BUFFERS.ENABLED and comm.get_world_size() > 1:
+        hooks.append(SyncBuffersHook())
+    if h.EMPTY_CACHE.ENABLED:
+        hooks.append(EmptyCacheHook(h.EMPTY_CACHE.AFTER_ITER, h.EMPTY_CACHE.AFTER_EPOCH))
+    if cfg.TEST.EVAL_PERIOD > 0 and cfg.TEST.DATASETS:
+        hooks.append(EvalHook(cfg.TEST.EVAL_PERIOD, default_eval_function(cfg)))
+    if h.EARLY_STOPPING.ENABLED:
+        e = h.EARLY_STOPPING
+        hooks.append(EarlyStoppingHook(e.MONITOR, e.RULE, e.MIN_DELTA, e.PATIENCE, e.STOPPING_THRESHOLD,
+                                       e.CHECK_FINITE, e.STRICT))
+    c = h.CHECKPOINT
+    hooks.append(CheckpointHook(
+        c.INTERVAL, by_epoch=c.BY_EPOCH, save_optimizer=c.SAVE_OPTIMIZER, save_scheduler=c.SAVE_SCHEDULER,
+        out_dir=c.OUT_DIR, max_keep=c.MAX_KEEP, save_last=c.SAVE_LAST, save_best=c.SAVE_BEST, rule=c.RULE,
+        save_begin=c.SAVE_BEGIN, published_keys=c.PUBLISHED_KEYS,
+    ))
+    if h.PROFILER.ENABLED:
+        p = h.PROFILER
+        hooks.append(ProfilerHook(p.START_ITER, p.END_ITER, p.OUTPUT, cfg.CKPT))
     if comm.is_main_process():
         hooks.append(
             PeriodicWriter(lambda t: build_writers(cfg, t.max_iter, t.start_iter), period=cfg.DISPLAY_ITER)
@@ -86,4 +133,3 @@ def build_train_hooks(cfg: CfgNode, trainer: Any) -> list[TrainHook]:
             hooks.append(TrainingCurves(cfg.CKPT))
     hooks.extend(build_custom_hooks(cfg.HOOKS.CUSTOM, cfg.CKPT))
     return hooks
-
