@@ -584,8 +584,8 @@ def test_toy_loader_still_skips_without_set_start_iter(cfg_for):
     assert resumed.iter == 6
 
 
-# ---------------------------------------------------------------------------------------- docs/HOOKS.md
-DOC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "HOOKS.md")
+# ---------------------------------------------------------------------------------------- README
+DOC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "README.md")
 
 
 def _doc_blocks(language):

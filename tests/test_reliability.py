@@ -99,3 +99,20 @@ def test_skip_nonfinite_skips_and_counts(tmp_path):
     last = read_metrics(str(ckpt / "metrics.json"))[-1]
     assert last["iteration"] == 10 and last["nonfinite_skipped"] == 1
     assert all(torch.isfinite(v).all() for v in final_weights(ckpt).values())
+
+
+def test_failed_checkpoint_write_keeps_the_previous_one_and_names_path_and_cause(tmp_path):
+    ckpt = tmp_path / "run"
+    code, _, err = run(ckpt, 4, "--interval", "2")
+    assert code == 0, err
+    previous = torch.load(ckpt / "model_iter4.pth", weights_only=True)
+    # Resume with files capped at 12 kB: the 17 kB checkpoint at iteration 6 cannot be written.
+    code, _, err = run(ckpt, 8, "--interval", "2", "--file-size-limit", "12000")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and f"Could not write {ckpt}/model_iter6.pth" in lines[0]
+    assert "File too large" in lines[0] and "The previous checkpoint is intact" in lines[0]
+    assert (ckpt / "last_checkpoint").read_text() == "model_iter4.pth"
+    assert not [f for f in os.listdir(ckpt) if ".tmp" in f]
+    reloaded = torch.load(ckpt / "model_iter4.pth", weights_only=True)
+    assert all(torch.equal(v, reloaded["model"][k]) for k, v in previous["model"].items())

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
+import signal
 import sys
 import time
 
@@ -44,7 +46,11 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--nan-at", type=int, default=-1)
     parser.add_argument("--interval", default="1")
+    parser.add_argument("--file-size-limit", type=int, default=0, help="bytes; emulates a full disk (EFBIG)")
     args, opts = parser.parse_known_args()
+    if args.file_size_limit:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write with EFBIG instead of killing us
+        resource.setrlimit(resource.RLIMIT_FSIZE, (args.file_size_limit, args.file_size_limit))
     torch.set_num_threads(1)
     cfg = load_cfg(None, ["CKPT", args.ckpt, "DEVICE", "cpu", "SOLVER.MAX_ITER", args.max_iter, "SOLVER.BASE_LR",
                           "0.01", "SOLVER.WARMUP_ITERS", "3", "DISPLAY_ITER", "1",

@@ -9,6 +9,7 @@ caller explicitly asks otherwise.
 from __future__ import annotations
 
 import glob
+import io
 import logging
 import os
 import random
@@ -23,6 +24,7 @@ from pet.utils.table import format_table
 
 __all__ = [
     "atomic_save",
+    "atomic_write_bytes",
     "write_last_checkpoint",
     "read_last_checkpoint",
     "load_checkpoint",
@@ -63,13 +65,25 @@ def _atomic_write(path: str, write: Any) -> None:
 
 
 def atomic_save(obj: Any, path: str) -> None:
-    """``torch.save(obj, path)`` that never leaves a partial file at ``path``."""
-    _atomic_write(path, lambda f: torch.save(obj, f))
+    """``torch.save(obj, path)`` that never leaves a partial file at ``path``.
+
+    The checkpoint is serialised in memory first: torch's zip writer turns a failed
+    disk write into an opaque RuntimeError, a plain file write reports the real cause
+    (no space left, permission denied, file too large).
+    """
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    atomic_write_bytes(buffer.getbuffer(), path)
+
+
+def atomic_write_bytes(data: bytes | memoryview, path: str) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename."""
+    _atomic_write(path, lambda f: f.write(data))
 
 
 def write_last_checkpoint(save_dir: str, filename: str) -> None:
     """Point ``save_dir/last_checkpoint`` at ``filename`` (a complete checkpoint)."""
-    _atomic_write(os.path.join(save_dir, LAST_CHECKPOINT), lambda f: f.write(filename.encode()))
+    atomic_write_bytes(filename.encode(), os.path.join(save_dir, LAST_CHECKPOINT))
 
 
 def read_last_checkpoint(save_dir: str) -> str | None:

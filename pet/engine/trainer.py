@@ -245,8 +245,17 @@ class Trainer:
                     self._train_epochs()
                 else:
                     self._train_iterations()
-            finally:
+            except BaseException:
+                # The first error is the one to report: a hook failing in after_train
+                # (a full disk, say) is logged, not raised over it.
+                try:
+                    self.call_hooks("after_train")
+                except Exception:
+                    logger.exception("after_train also failed while handling the error below")
+                raise
+            else:
                 self.call_hooks("after_train")
+            finally:
                 if comm.is_main_process():
                     logger.info(f"Time spent in hooks:\n{self._dispatch.cost_table()}")
 

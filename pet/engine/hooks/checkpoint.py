@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from pet.engine.checkpoint import _atomic_write, load_checkpoint, write_last_checkpoint
+from pet.engine.checkpoint import atomic_write_bytes, load_checkpoint, write_last_checkpoint
 from pet.engine.hooks.base import HOOKS, Priority, TrainHook
 from pet.engine.hooks.evaluation import EvalHook, is_better, metric_rule
 from pet.utils import comm
@@ -234,7 +234,7 @@ class CheckpointHook(TrainHook):
         torch.save(slim, buffer)
         data = buffer.getvalue()
         path = os.path.join(directory, f"model_final-{hashlib.sha256(data).hexdigest()[:8]}.pth")
-        _atomic_write(path, lambda f: f.write(data))
+        atomic_write_bytes(data, path)
         logger.info(f"Published {path} with keys {sorted(slim)} ({len(data) / 2**20:.1f} MiB)")
 
     # ------------------------------------------------------------------ best checkpoints
