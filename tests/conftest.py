@@ -63,6 +63,8 @@ def make_cfg(tmp_path):
             "SOLVER.WARMUP_ITERS", "0", "SOLVER.LR_POLICY", "cosine", "DISPLAY_ITER", "5",
             "TRAIN.AUTO_RESUME", "False",
         ]
+        if "SOLVER.MAX_EPOCHS" in opts:  # epoch mode: the iteration count comes from the loader
+            base[base.index("SOLVER.MAX_ITER") + 1] = "0"
         return load_cfg(None, base + [str(o) for o in opts], freeze=freeze)
 
     return _make

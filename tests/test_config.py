@@ -81,3 +81,9 @@ def test_shipped_configs_load():
     assert files, "no config files shipped under cfgs/"
     for path in files:
         load_cfg(path)
+
+
+def test_iterations_and_epochs_together_are_rejected(tmp_path):
+    with pytest.raises(ConfigError, match="Both SOLVER.MAX_ITER .* and SOLVER.MAX_EPOCHS"):
+        load_cfg(None, ["SOLVER.MAX_ITER", "100", "SOLVER.MAX_EPOCHS", "2"])
+    assert load_cfg(None, ["SOLVER.MAX_EPOCHS", "2"]).SOLVER.MAX_EPOCHS == 2  # the MAX_ITER default is ignored

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from pet.engine.events import read_metrics
@@ -116,3 +117,18 @@ def test_failed_checkpoint_write_keeps_the_previous_one_and_names_path_and_cause
     assert not [f for f in os.listdir(ckpt) if ".tmp" in f]
     reloaded = torch.load(ckpt / "model_iter4.pth", weights_only=True)
     assert all(torch.equal(v, reloaded["model"][k]) for k, v in previous["model"].items())
+
+
+class _NotATensor:
+    pass
+
+
+def test_checkpoints_load_weights_only_unless_asked(tmp_path):
+    from pet.engine.checkpoint import load_checkpoint
+    from pet.utils.errors import ConfigError
+
+    path = tmp_path / "pickled.pth"
+    torch.save({"model": {}, "extra": _NotATensor()}, path)
+    with pytest.raises(ConfigError, match="--unsafe-load"):
+        load_checkpoint(str(path))
+    assert isinstance(load_checkpoint(str(path), unsafe=True)["extra"], _NotATensor)

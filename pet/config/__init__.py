@@ -24,19 +24,28 @@ __all__ = ["CfgNode", "get_default_cfg", "load_cfg", "merge_opts", "default_outp
 def load_cfg(cfg_file: str | None, opts: Sequence[str] = (), *, freeze: bool = True) -> CfgNode:
     """Build the run's config from the defaults, ``cfg_file`` and ``opts`` (``KEY VALUE ...``)."""
     cfg = get_default_cfg()
+    explicit: set[str] = set()
     if cfg_file:
-        _merge_dict(cfg, _read_yaml(cfg_file), source=cfg_file)
-    merge_opts(cfg, opts)
+        explicit |= _merge_dict(cfg, _read_yaml(cfg_file), source=cfg_file)
+    explicit |= merge_opts(cfg, opts)
     if not cfg.CKPT:
         cfg.CKPT = default_output_dir(cfg_file)
     validate_cfg(cfg)
+    if cfg.SOLVER.MAX_EPOCHS > 0 and cfg.SOLVER.MAX_ITER > 0 and "SOLVER.MAX_ITER" in explicit:
+        raise ConfigError(
+            f"Both SOLVER.MAX_ITER ({cfg.SOLVER.MAX_ITER}) and SOLVER.MAX_EPOCHS ({cfg.SOLVER.MAX_EPOCHS}) are set; "
+            "train by iterations (SOLVER.MAX_EPOCHS 0) or by epochs (SOLVER.MAX_ITER 0), not both."
+        )
     if freeze:
         cfg.freeze()
     return cfg
 
 
-def merge_opts(cfg: CfgNode, opts: Sequence[str]) -> None:
-    """Merge ``["SOLVER.BASE_LR", "0.01", ...]`` into ``cfg``; values are Python literals."""
+def merge_opts(cfg: CfgNode, opts: Sequence[str]) -> set[str]:
+    """Merge ``["SOLVER.BASE_LR", "0.01", ...]`` into ``cfg``; values are Python literals.
+
+    Returns the full names of the keys set.
+    """
     opts = list(opts)
     if len(opts) % 2:
         raise ConfigError(f"Command-line overrides must be KEY VALUE pairs; got an odd list: {opts}")
@@ -47,7 +56,7 @@ def merge_opts(cfg: CfgNode, opts: Sequence[str]) -> None:
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = _parse_literal(raw)
-    _merge_dict(cfg, nested, source="command line")
+    return _merge_dict(cfg, nested, source="command line")
 
 
 def default_output_dir(cfg_file: str | None) -> str:
@@ -106,7 +115,9 @@ def _read_yaml(path: str) -> dict:
     return loaded
 
 
-def _merge_dict(cfg: CfgNode, values: dict, source: str, prefix: str = "") -> None:
+def _merge_dict(cfg: CfgNode, values: dict, source: str, prefix: str = "") -> set[str]:
+    """Merge ``values`` into ``cfg`` with checks; returns the full names of the keys set."""
+    merged = set()
     for key, value in values.items():
         full_key = prefix + key
         if key not in cfg:
@@ -115,9 +126,11 @@ def _merge_dict(cfg: CfgNode, values: dict, source: str, prefix: str = "") -> No
         if isinstance(default, CfgNode):
             if not isinstance(value, dict):
                 raise ConfigError(f"Config key '{full_key}' in {source} is a section; give a mapping, got {value!r}")
-            _merge_dict(default, value, source, prefix=full_key + ".")
+            merged |= _merge_dict(default, value, source, prefix=full_key + ".")
         else:
             cfg[key] = _coerce(value, default, full_key, source)
+            merged.add(full_key)
+    return merged
 
 
 def _coerce(value: Any, default: Any, full_key: str, source: str) -> Any:
