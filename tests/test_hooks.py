@@ -16,7 +16,7 @@ import torch.distributed as dist
 from conftest import IndexedToyLoader, ToyLoader, ToyModel
 
 from pet.config import load_cfg
-from pet.engine.checkpoint import load_model_weights, read_last_checkpoint
+from pet.engine.checkpoint import read_last_checkpoint
 from pet.engine.events import read_metrics
 from pet.engine.hooks import (
     CheckpointHook,
@@ -33,6 +33,7 @@ from pet.engine.hooks import (
 )
 from pet.engine.trainer import Trainer
 from pet.utils.errors import ConfigError
+from pet.utils.weights import load_weights
 
 
 def make_trainer(cfg, *hooks, loader=None, seed=0):
@@ -492,7 +493,7 @@ def test_ema_equals_the_weights_before_the_begin_step_and_differs_after(cfg_for)
         assert torch.equal(final["model_raw"][name], param) and torch.equal(final["model"][name], ema[name])
         assert not torch.equal(param, ema[name])
     model = ToyModel()
-    load_model_weights(model, os.path.join(trainer.output_dir, "model_final.pth"))  # what test_net.py does
+    load_weights(model, os.path.join(trainer.output_dir, "model_final.pth"))  # what test_net.py does
     assert all(torch.equal(p, ema[n]) for n, p in model.named_parameters())
 
 

@@ -10,12 +10,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pet.data import register_custom_datasets  # noqa: E402
-from pet.engine.checkpoint import load_model_weights  # noqa: E402
 from pet.engine.defaults import default_argument_parser, default_setup, launch_cli  # noqa: E402
 from pet.engine.inference import build_test_hooks, evaluate_on_datasets  # noqa: E402
 from pet.engine.trainer import resolve_device  # noqa: E402
 from pet.utils import comm  # noqa: E402
 from pet.utils.registry import META_ARCH_REGISTRY  # noqa: E402
+from pet.utils.weights import load_weights  # noqa: E402
 
 
 def main() -> None:
@@ -24,7 +24,7 @@ def main() -> None:
     register_custom_datasets(cfg)
     output_dir = os.path.join(cfg.CKPT, "test")
     model = META_ARCH_REGISTRY.get(cfg.MODEL.META_ARCHITECTURE)(cfg)
-    load_model_weights(model, cfg.TEST.WEIGHTS or os.path.join(cfg.CKPT, "model_final.pth"), unsafe=args.unsafe_load)
+    load_weights(model, cfg.TEST.WEIGHTS or os.path.join(cfg.CKPT, "model_final.pth"), unsafe=args.unsafe_load)
     model.to(resolve_device(cfg.DEVICE))
     test_hook, hooks = build_test_hooks(cfg, args.cfg_file)
     metrics = evaluate_on_datasets(cfg, model, output_dir, test_hook, hooks)

@@ -160,11 +160,11 @@ def log_instances_table(dataset: COCODataset) -> None:
 def seed_worker(worker_id: int) -> None:
     """Seed Python and NumPy in a worker from the torch seed the DataLoader gave it (itself seeded per run).
 
-    Workers ignore SIGINT / SIGTERM: Ctrl-C reaches the whole process group, and the
-    main process must survive it to save a checkpoint before it shuts its workers down.
+    Workers ignore SIGINT: Ctrl-C reaches the whole process group, and the main process
+    must survive it to save a checkpoint before it shuts its workers down. (SIGTERM is
+    left alone: that is how the main process stops its workers at exit.)
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     seed = torch.initial_seed() % 2**32
     random.seed(seed)
     np.random.seed(seed)

@@ -13,14 +13,12 @@ import io
 import logging
 import os
 import random
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 import torch
 
 from pet.utils.errors import ConfigError, TrainingError
-from pet.utils.table import format_table
 
 __all__ = [
     "atomic_save",
@@ -28,7 +26,6 @@ __all__ = [
     "write_last_checkpoint",
     "read_last_checkpoint",
     "load_checkpoint",
-    "load_model_weights",
     "unwrap_model",
     "get_rng_state",
     "set_rng_state",
@@ -122,50 +119,6 @@ def load_checkpoint(path: str, *, unsafe: bool = False) -> dict[str, Any]:
             else ""
         )
         raise ConfigError(f"Cannot load {path}: {type(exc).__name__}: {str(exc).splitlines()[0]}.{hint}") from exc
-
-
-def load_model_weights(model: torch.nn.Module, path: str, *, unsafe: bool = False) -> dict[str, list[str]]:
-    """Load weights into ``model`` (not a resume) and log a table of what did not match.
-
-    Accepts a Pet checkpoint (a dict with ``model``) or a plain ``state_dict``. A model
-    may define ``convert_state_dict(state_dict) -> state_dict`` to translate foreign key
-    names (torchvision classification or detection weights, for example).
-    Returns ``{"missing": [...], "unexpected": [...], "mismatched": [...]}``.
-    """
-    checkpoint = load_checkpoint(path, unsafe=unsafe)
-    state = checkpoint.get("model", checkpoint) if isinstance(checkpoint, dict) else checkpoint
-    if not isinstance(state, dict):
-        raise ConfigError(f"{path} holds no state_dict (found {type(state).__name__})")
-    model = unwrap_model(model)
-    convert = getattr(model, "convert_state_dict", None)
-    if callable(convert):
-        state = convert(state)
-    own = model.state_dict()
-    mismatched = [k for k, v in state.items() if k in own and tuple(own[k].shape) != tuple(v.shape)]
-    for key in mismatched:
-        state.pop(key)
-    result = model.load_state_dict(state, strict=False)
-    report = {
-        "missing": [k for k in result.missing_keys if not k.endswith("num_batches_tracked")],
-        "unexpected": [k for k in result.unexpected_keys if not k.endswith("num_batches_tracked")],
-        "mismatched": mismatched,
-    }
-    logger.info(f"Loaded weights from {path}: {len(state) - len(report['unexpected'])} tensors")
-    if any(report.values()):
-        logger.warning("Keys that did not load:\n" + _key_table(report))
-    return report
-
-
-def _key_table(report: dict[str, list[str]]) -> str:
-    """Group keys by their first two name components so the table stays short."""
-    rows = []
-    for kind, keys in report.items():
-        groups: OrderedDict[str, int] = OrderedDict()
-        for key in keys:
-            prefix = ".".join(key.split(".")[:2])
-            groups[prefix] = groups.get(prefix, 0) + 1
-        rows.extend((kind, prefix + ".*" if count > 1 else prefix, count) for prefix, count in groups.items())
-    return format_table(("status", "keys", "count"), rows)
 
 
 def get_rng_state() -> dict[str, Any]:

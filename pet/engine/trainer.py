@@ -23,7 +23,6 @@ from pet.engine.checkpoint import (
     atomic_save,
     get_rng_state,
     load_checkpoint,
-    load_model_weights,
     read_last_checkpoint,
     set_rng_state,
     unwrap_model,
@@ -36,6 +35,7 @@ from pet.utils import comm
 from pet.utils.errors import TrainingError, TrainingInterrupted
 from pet.utils.registry import META_ARCH_REGISTRY
 from pet.utils.tensor import move_to_device
+from pet.utils.weights import load_weights
 
 __all__ = ["Trainer", "resolve_device", "call_model"]
 
@@ -209,7 +209,7 @@ class Trainer:
             self.load_resume_state(load_checkpoint(last, unsafe=unsafe))
             logger.info(f"Resumed from {last} at iteration {self.start_iter}")
         elif self.cfg.TRAIN.WEIGHTS:
-            load_model_weights(self.model, self.cfg.TRAIN.WEIGHTS, unsafe=unsafe)
+            load_weights(self.model, self.cfg.TRAIN.WEIGHTS, unsafe=unsafe)
             logger.info(f"Initialised from {self.cfg.TRAIN.WEIGHTS} (not a resume: training starts at iteration 0)")
 
     def load_resume_state(self, state: dict[str, Any]) -> None:

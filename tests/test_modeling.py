@@ -1,0 +1,224 @@
+"""Faster R-CNN built from config: losses, eval outputs, weight loading, registry errors."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+import torchvision
+from torchvision.models.detection import FasterRCNN
+from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
+from torchvision.ops import FrozenBatchNorm2d
+
+from pet.config import load_cfg
+from pet.modeling import build_model
+from pet.utils.errors import ConfigError
+from pet.utils.weights import load_weights
+
+DEMO_CFG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cfgs", "shapes",
+                        "faster_rcnn_R-18-FPN.yaml")
+LOSSES = {"loss_objectness", "loss_rpn_box_reg", "loss_classifier", "loss_box_reg"}
+
+
+def _batch(sizes=((96, 128), (80, 100)), orig=((192, 256), (80, 100))):
+    """Two padded uint8 images; image 0 stands for a 192x256 original resized to 96x128."""
+    gen = torch.Generator().manual_seed(0)
+    images = torch.zeros(len(sizes), 3, 128, 128, dtype=torch.uint8)
+    targets = []
+    for i, ((h, w), (oh, ow)) in enumerate(zip(sizes, orig)):
+        images[i, :, :h, :w] = torch.randint(0, 255, (3, h, w), generator=gen, dtype=torch.uint8)
+        targets.append({"image_id": i + 1, "image_size": (h, w), "orig_size": (oh, ow),
+                        "boxes": torch.tensor([[10.0, 12.0, 50.0, 60.0], [30.0, 5.0, 70.0, 40.0]]),
+                        "labels": torch.tensor([1, 3])})
+    return images, targets
+
+
+@pytest.fixture(scope="module")
+def demo_model():
+    torch.manual_seed(0)
+    return build_model(load_cfg(DEMO_CFG))
+
+
+def test_training_forward_returns_finite_losses_and_backpropagates(demo_model):
+    demo_model.train()
+    losses = demo_model(*_batch())
+    assert set(losses) == LOSSES
+    assert all(v.dim() == 0 and torch.isfinite(v) for v in losses.values())
+    demo_model.zero_grad()
+    sum(losses.values()).backward()
+    trainable = [(n, p) for n, p in demo_model.named_parameters() if p.requires_grad]
+    assert trainable and all(p.grad is not None for _, p in trainable)
+    assert demo_model.backbone.body.conv1.weight.grad.abs().sum() > 0  # FREEZE_AT 0: the stem learns too
+
+
+def test_bfloat16_autocast_gives_float32_losses_and_boxes(demo_model):
+    demo_model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = demo_model(*_batch())
+    assert set(losses) == LOSSES and all(torch.isfinite(v) for v in losses.values())
+    assert all(v.dtype == torch.float32 for v in losses.values())
+
+
+def test_channels_last_reaches_every_backbone_feature(demo_model):
+    demo_model.eval()
+    images, targets = _batch()
+    with torch.no_grad():
+        features = demo_model.backbone(demo_model.normalizer(images, [t["image_size"] for t in targets]))
+    assert all(f.is_contiguous(memory_format=torch.channels_last) for f in features.values() if f.shape[-1] > 1)
+
+
+def test_normalizer_uses_pixel_mean_std_and_zeroes_the_padding(demo_model):
+    images, targets = _batch()
+    x = demo_model.normalizer(images, [t["image_size"] for t in targets])
+    mean, std = torch.tensor([123.675, 116.28, 103.53]), torch.tensor([58.395, 57.12, 57.375])
+    torch.testing.assert_close(x[0, :, :96, :128], (images[0, :, :96, :128].float() - mean[:, None, None])
+                               / std[:, None, None])
+    assert x[0, :, 96:].abs().sum() == 0 and x[1, :, :, 100:].abs().sum() == 0 and x[1, :, 80:].abs().sum() == 0
+
+
+def test_eval_boxes_are_in_original_image_coordinates(demo_model):
+    cfg = load_cfg(DEMO_CFG, ["MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.0"])
+    model = build_model(cfg)
+    model.load_state_dict(demo_model.state_dict())
+    model.eval()
+    images, targets = _batch()
+    with torch.no_grad():
+        outputs = model(images, targets)
+    assert len(outputs) == 2
+    for out, target in zip(outputs, targets):
+        assert set(out) == {"boxes", "scores", "labels"} and len(out["boxes"]) > 0
+        orig_h, orig_w = target["orig_size"]
+        boxes = out["boxes"]
+        assert boxes.min() >= 0 and boxes[:, 2].max() <= orig_w and boxes[:, 3].max() <= orig_h
+        assert out["labels"].dtype == torch.int64 and 1 <= out["labels"].min() and out["labels"].max() <= 3
+    # image 0 was shrunk 2x from 192x256: its boxes must reach beyond the 96x128 network input
+    assert outputs[0]["boxes"][:, 2].max() > 128 or outputs[0]["boxes"][:, 3].max() > 96
+
+
+def _coco_cfg(*opts: str):
+    path = os.path.join(os.path.dirname(os.path.dirname(DEMO_CFG)), "coco", "faster_rcnn_R-50-FPN_1x.yaml")
+    return load_cfg(path, ["MODEL.NUM_CLASSES", "90", *opts])
+
+
+def test_torchvision_detection_state_dict_loads_without_leftovers(tmp_path):
+    torch.manual_seed(0)
+    reference = torchvision.models.detection.fasterrcnn_resnet50_fpn(weights=None, weights_backbone=None,
+                                                                      num_classes=91)
+    path = tmp_path / "frcnn.pth"
+    torch.save(reference.state_dict(), path)
+    model = build_model(_coco_cfg())
+    assert load_weights(model, str(path)) == {"missing": [], "unexpected": [], "mismatched": []}
+    ours = model.state_dict()
+    # torchvision's untrained model has BatchNorm (num_batches_tracked); Pet's COCO config has FrozenBN
+    theirs = {k: v for k, v in reference.state_dict().items() if not k.endswith("num_batches_tracked")}
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_r50_config_freezes_what_torchvision_freezes():
+    model = build_model(_coco_cfg())
+    reference = resnet_fpn_backbone(backbone_name="resnet50", weights=None, trainable_layers=3)
+    expected = {f"backbone.{n}" for n, p in reference.named_parameters() if p.requires_grad}
+    assert {n for n, p in model.backbone.named_parameters(prefix="backbone") if p.requires_grad} == expected
+    assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    assert isinstance(model.backbone.body.layer4[0].bn1, FrozenBatchNorm2d)
+
+
+def test_detections_match_torchvision_for_the_same_weights(tmp_path):
+    """Same weights and uint8 input -> identical detections (the model only normalises, like torchvision)."""
+    torch.manual_seed(0)
+    reference = FasterRCNN(resnet_fpn_backbone(backbone_name="resnet50", weights=None, trainable_layers=3), 91,
+                           min_size=256, max_size=512, box_score_thresh=0.0).eval()
+    path = tmp_path / "frcnn.pth"
+    torch.save(reference.state_dict(), path)
+    model = build_model(_coco_cfg("MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.0", "MODEL.CHANNELS_LAST", "False"))
+    load_weights(model, str(path))
+    model.eval()
+    gen = torch.Generator().manual_seed(1)
+    images = [torch.randint(0, 256, (3, 256, h_w), generator=gen, dtype=torch.uint8) for h_w in (320, 256)]
+    batch = torch.zeros(2, 3, 256, 320, dtype=torch.uint8)
+    for i, image in enumerate(images):
+        batch[i, :, :, : image.shape[2]] = image
+    targets = [{"image_size": tuple(im.shape[1:]), "orig_size": tuple(im.shape[1:])} for im in images]
+    with torch.no_grad():
+        expected = reference([im.float() / 255 for im in images])
+        outputs = model(batch, targets)
+    for ours, theirs in zip(outputs, expected):
+        assert len(ours["boxes"]) == len(theirs["boxes"]) > 0
+        assert torch.equal(ours["labels"], theirs["labels"])
+        torch.testing.assert_close(ours["boxes"], theirs["boxes"], atol=1e-4, rtol=0)
+        torch.testing.assert_close(ours["scores"], theirs["scores"], atol=1e-4, rtol=0)
+
+
+def test_imagenet_resnet_initialises_the_backbone(tmp_path, caplog):
+    classifier = torchvision.models.resnet18(weights=None)
+    path = tmp_path / "resnet18.pth"
+    torch.save(classifier.state_dict(), path)
+    model = build_model(load_cfg(DEMO_CFG))
+    with caplog.at_level(logging.WARNING, logger="pet.modeling.weights"):
+        report = load_weights(model, str(path))
+    torch.testing.assert_close(model.backbone.body.layer3[0].conv1.weight, classifier.layer3[0].conv1.weight)
+    torch.testing.assert_close(model.backbone.body.bn1.running_var, classifier.bn1.running_var)
+    assert not report["unexpected"] and not report["mismatched"]
+    assert report["missing"] and all(not k.startswith("backbone.body.") for k in report["missing"])
+    # one table row per module, not one line per tensor
+    assert "backbone.fpn.*" in caplog.text and "inner_blocks" not in caplog.text
+
+
+def test_mismatched_shapes_are_reported_and_skipped(tmp_path):
+    source = build_model(load_cfg(DEMO_CFG, ["MODEL.NUM_CLASSES", "5"]))
+    path = tmp_path / "pet.pth"
+    torch.save({"model": source.state_dict(), "iteration": 10}, path)
+    model = build_model(load_cfg(DEMO_CFG))
+    before = model.roi_heads.box_predictor.cls_score.weight.clone()
+    report = load_weights(model, str(path))
+    assert sorted(report["mismatched"]) == [f"roi_heads.box_predictor.{layer}.{kind}"
+                                            for layer in ("bbox_pred", "cls_score") for kind in ("bias", "weight")]
+    assert report["missing"] == [] and report["unexpected"] == []
+    torch.testing.assert_close(model.roi_heads.box_predictor.cls_score.weight, before)
+    torch.testing.assert_close(model.rpn.head.cls_logits.weight, source.rpn.head.cls_logits.weight)
+
+
+def test_missing_weights_file_is_a_config_error(tmp_path):
+    model = build_model(load_cfg(DEMO_CFG))
+    with pytest.raises(ConfigError, match="nowhere.pth"):
+        load_weights(model, str(tmp_path / "nowhere.pth"))
+
+
+def test_unknown_meta_architecture_is_a_clear_error():
+    cfg = load_cfg(None, ["MODEL.META_ARCHITECTURE", "FasterRCN"])
+    with pytest.raises(ConfigError, match="Unknown meta-architecture 'FasterRCN'.*Did you mean 'FasterRCNN'"):
+        build_model(cfg)
+
+
+def test_anchor_levels_must_match_the_fpn():
+    cfg = load_cfg(DEMO_CFG, ["MODEL.RPN.ANCHOR_SIZES", "[[16], [32]]"])
+    with pytest.raises(ConfigError, match="ANCHOR_SIZES has 2 entries.*5 feature levels"):
+        build_model(cfg)
+
+
+def test_frozen_stages_get_no_gradient_and_frozen_batchnorm():
+    model = build_model(load_cfg(DEMO_CFG, ["MODEL.BACKBONE.FREEZE_AT", "2"]))
+    body = model.backbone.body
+    assert not any(p.requires_grad for p in body.conv1.parameters())
+    assert not any(p.requires_grad for p in body.layer1.parameters())
+    assert all(p.requires_grad for p in body.layer2.parameters())
+    assert isinstance(body.bn1, torchvision.ops.FrozenBatchNorm2d)
+    assert isinstance(body.layer1[0].bn1, torchvision.ops.FrozenBatchNorm2d)
+    assert isinstance(body.layer2[0].bn1, torch.nn.BatchNorm2d)
+
+
+def test_custom_box_head_from_a_dotted_path():
+    cfg = load_cfg(DEMO_CFG, ["MODEL.ROI_BOX_HEAD.NAME", f"{__name__}.TinyBoxHead"])
+    model = build_model(cfg)
+    assert isinstance(model.roi_heads.box_head, TinyBoxHead)
+    model.train()
+    assert set(model(*_batch())) == LOSSES
+
+
+class TinyBoxHead(torch.nn.Sequential):
+    """A user's box head: average-pool then one linear layer to MLP_DIM."""
+
+    def __init__(self, cfg, in_channels: int) -> None:
+        super().__init__(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                         torch.nn.Linear(in_channels, cfg.MODEL.ROI_BOX_HEAD.MLP_DIM), torch.nn.ReLU())
