@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import os
 import re
+import sys
 
 import torch
 from conftest import InfiniteToyLoader, ToyModel
@@ -28,6 +29,7 @@ def test_quick_start_has_exactly_two_commands_and_ci_runs_the_second():
 
 
 def test_custom_hook_and_writer_examples_work_from_yaml(tmp_path, monkeypatch):
+    monkeypatch.delitem(sys.modules, "my_project", raising=False)
     package = tmp_path / "my_project"
     package.mkdir()
     (package / "__init__.py").write_text("")
@@ -59,3 +61,31 @@ def test_custom_hook_and_writer_examples_work_from_yaml(tmp_path, monkeypatch):
     assert [r["iteration"] for r in rows] == ["4", "6"]  # every DISPLAY_ITER, plus the last state
     assert {"loss_mse", "loss_l1", "total_loss"} <= set(rows[0])
     assert torch.isfinite(torch.tensor(float(rows[0]["total_loss"])))
+
+
+def test_add_your_own_model_example_builds_and_trains(tmp_path, monkeypatch):
+    from pet.modeling import build_model
+
+    monkeypatch.delitem(sys.modules, "my_project", raising=False)
+    package = tmp_path / "my_project"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "heads.py").write_text(next(b for b in _blocks("python") if "class ConvFCHead" in b))
+    yaml_block = next(b for b in _blocks("yaml") if "my_project.heads.ConvFCHead" in b)
+    cfg_dir = tmp_path / "cfgs" / "mine"
+    cfg_dir.mkdir(parents=True)
+    shapes_dir = tmp_path / "cfgs" / "shapes"
+    shapes_dir.mkdir()
+    demo = os.path.join(os.path.dirname(README), "cfgs", "shapes", "faster_rcnn_R-18-FPN.yaml")
+    (shapes_dir / "faster_rcnn_R-18-FPN.yaml").write_text(open(demo).read())
+    (cfg_dir / "conv_head.yaml").write_text(yaml_block)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    model = build_model(load_cfg(str(cfg_dir / "conv_head.yaml")))
+    assert type(model.roi_heads.box_head).__name__ == "ConvFCHead"
+    images = torch.randint(0, 255, (2, 3, 64, 64), dtype=torch.uint8)
+    targets = [{"image_id": i, "image_size": (64, 64), "orig_size": (64, 64),
+                "boxes": torch.tensor([[8.0, 8.0, 40.0, 40.0]]), "labels": torch.tensor([2])} for i in range(2)]
+    losses = model(images, targets)
+    sum(losses.values()).backward()
+    assert model.roi_heads.box_head.conv.weight.grad is not None
