@@ -1,6 +1,7 @@
 """Side-by-side benchmarks; each prints a table and writes JSON.
 
     python tools/benchmark.py engine [--iters 5000] [--repeats 3] [--out FILE]
+    python tools/benchmark.py model [--size 512] [--batch 2] [--iters 5] [--repeats 3] [--out FILE]
 
 engine: per-iteration overhead of Pet's Trainer (default hooks and writers) over a
 plain PyTorch loop on a trivial model (compute ~0; the same loader and SGD with momentum
@@ -138,6 +139,86 @@ def engine(args: argparse.Namespace) -> dict:
     return {"us_per_iter": us, "overhead_us": overhead, "samples_us": samples}
 
 
+def _random_scene(batch: int, size: int, seed: int = 0) -> tuple[torch.Tensor, list[dict]]:
+    gen = torch.Generator().manual_seed(seed)
+    images = torch.randint(0, 256, (batch, 3, size, size), dtype=torch.uint8, generator=gen)
+    targets = []
+    for i in range(batch):
+        xy = torch.rand(4, 2, generator=gen) * size * 0.6
+        wh = 32 + torch.rand(4, 2, generator=gen) * size * 0.3
+        targets.append({"image_id": i, "image_size": (size, size), "orig_size": (size, size),
+                        "boxes": torch.cat([xy, xy + wh], dim=1), "labels": torch.randint(1, 81, (4,), generator=gen)})
+    return images, targets
+
+
+def _time(fn, iters: int) -> float:
+    fn()  # warm-up: allocator, lazy initialisation
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - start) / iters
+
+
+def model(args: argparse.Namespace) -> dict:
+    """Pet's Faster R-CNN R-50-FPN against torchvision's on the same weights, inputs and work."""
+    from torchvision.models.detection import FasterRCNN
+    from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
+    from torchvision.ops import FrozenBatchNorm2d
+
+    from pet.config import load_cfg
+    from pet.modeling import build_model
+
+    torch.manual_seed(0)
+    size = args.size
+    reference = FasterRCNN(
+        resnet_fpn_backbone(backbone_name="resnet50", weights=None, norm_layer=FrozenBatchNorm2d, trainable_layers=3),
+        num_classes=81, min_size=size, max_size=size,
+    )
+    cfg = load_cfg(os.path.join("cfgs", "coco", "faster_rcnn_R-50-FPN_1x.yaml"), ["MODEL.NUM_CLASSES", "80"])
+    pet_model = build_model(cfg)
+    missing = pet_model.load_state_dict(reference.state_dict(), strict=False)
+    assert not missing.unexpected_keys, missing
+    images, targets = _random_scene(args.batch, size)
+    tv_images = [im.float() / 255 for im in images]
+    tv_targets = [{"boxes": t["boxes"], "labels": t["labels"]} for t in targets]
+
+    def train_step(m, call):
+        m.train()
+        losses = call()
+        m.zero_grad(set_to_none=True)
+        sum(losses.values()).backward()
+
+    def infer(m, call):
+        m.eval()
+        with torch.inference_mode():
+            call()
+
+    cases = {
+        "train": (lambda: train_step(pet_model, lambda: pet_model(images, targets)),
+                  lambda: train_step(reference, lambda: reference(tv_images, tv_targets))),
+        "infer": (lambda: infer(pet_model, lambda: pet_model(images, targets)),
+                  lambda: infer(reference, lambda: reference(tv_images))),
+    }
+    result = {}
+    for name, (pet_fn, tv_fn) in cases.items():
+        samples = {"pet": [], "torchvision": []}
+        for _ in range(args.repeats):  # interleaved
+            samples["pet"].append(_time(pet_fn, args.iters))
+            samples["torchvision"].append(_time(tv_fn, args.iters))
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        unit = 1.0 if name == "train" else 1000.0 / args.batch
+        result[name] = {"pet": med["pet"] * unit, "torchvision": med["torchvision"] * unit,
+                        "ratio": med["pet"] / med["torchvision"], "samples_s": samples}
+    print(f"Faster R-CNN R-50-FPN, {size}x{size}, batch {args.batch}, {torch.get_num_threads()} threads, "
+          f"fp32, median of {args.repeats} interleaved runs of {args.iters} iterations")
+    print(f"{'':<8} {'Pet':>10} {'torchvision':>12} {'Pet/tv':>8}")
+    print(f"{'train':<8} {result['train']['pet']:>8.3f} s {result['train']['torchvision']:>10.3f} s "
+          f"{result['train']['ratio']:>8.2f}")
+    print(f"{'infer':<8} {result['infer']['pet']:>7.1f} ms {result['infer']['torchvision']:>9.1f} ms "
+          f"{result['infer']['ratio']:>8.2f}   (per image)")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -145,10 +226,16 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=5000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="benchmarks/engine.json")
+    p = sub.add_parser("model", help="Faster R-CNN train step and inference against torchvision")
+    p.add_argument("--size", type=int, default=512)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="benchmarks/model.json")
     args = parser.parse_args()
     result = {"command": " ".join(sys.argv), "machine": f"{platform.processor() or platform.machine()}, "
               f"{os.cpu_count()} cores", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              **{"engine": engine}[args.command](args)}
+              **{"engine": engine, "model": model}[args.command](args)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -18,6 +18,17 @@ from pet.utils.registry import META_ARCH_REGISTRY  # noqa: E402
 from pet.utils.weights import load_weights  # noqa: E402
 
 
+def combine_speed(per_rank: list[dict]) -> dict:
+    """Mean of each timer's per-image ms over ranks; images/s summed, since the ranks run in parallel."""
+    timers = [k for k, v in per_rank[0].items() if isinstance(v, dict)]
+    combined: dict = {}
+    for name in timers:
+        values = [r[name]["mean_ms"] for r in per_rank if name in r]
+        combined[name] = {"mean_ms": sum(values) / len(values)}
+    combined["images_per_second"] = sum(r["images_per_second"] for r in per_rank)
+    return combined
+
+
 def main() -> None:
     args = default_argument_parser("Evaluate a detector with Pet").parse_args()
     cfg = default_setup(args.cfg_file, args.opts, args.local_rank)
@@ -28,8 +39,12 @@ def main() -> None:
     model.to(resolve_device(cfg.DEVICE))
     test_hook, hooks = build_test_hooks(cfg, args.cfg_file)
     metrics = evaluate_on_datasets(cfg, model, output_dir, test_hook, hooks)
+    # Every rank timed its own shard: keep each rank's summary and their combination.
+    per_rank = comm.all_gather_object(test_hook.speed_summary())
     if comm.is_main_process():
         report = {"metrics": metrics, "speed": test_hook.speed_summary()}
+        if len(per_rank) > 1:
+            report["speed_per_rank"] = {"ranks": per_rank, "combined": combine_speed(per_rank)}
         with open(os.path.join(output_dir, "metrics.json"), "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)
 

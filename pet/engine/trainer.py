@@ -32,7 +32,7 @@ from pet.engine.events import EventStorage
 from pet.engine.hooks.base import HookDispatcher, TrainHook, get_priority
 from pet.engine.optim import build_lr_scheduler, build_optimizer
 from pet.utils import comm
-from pet.utils.errors import TrainingError, TrainingInterrupted
+from pet.utils.errors import ConfigError, TrainingError, TrainingInterrupted
 from pet.utils.registry import META_ARCH_REGISTRY
 from pet.utils.tensor import move_to_device
 from pet.utils.weights import load_weights
@@ -95,6 +95,9 @@ class Trainer:
             model = META_ARCH_REGISTRY.get(cfg.MODEL.META_ARCHITECTURE)(cfg)
         model.to(self.device)
         if comm.get_world_size() > 1 and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            if self.device.type != "cuda" and any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules()):
+                raise ConfigError("SyncBN (MODEL.BACKBONE.NORM) needs CUDA devices: torch's SyncBatchNorm is GPU-only. "
+                                  "Use NORM BN (per-process statistics) for distributed CPU runs.")
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
         self.model = model
