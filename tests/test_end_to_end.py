@@ -86,3 +86,14 @@ def test_test_net_without_weights_says_what_to_do(tiny_set, tmp_path):
     proc = run_tool("test_net.py", "--cfg", DEMO_CFG, *_opts(tiny_set, str(tmp_path / "empty")), check=False)
     assert proc.returncode == 2
     assert "Weights file not found" in proc.stderr and "train first" in proc.stderr
+
+
+def test_unknown_hook_fails_before_anything_but_the_log_is_written(tiny_set, tmp_path):
+    ckpt = tmp_path / "run"
+    proc = run_tool("train_net.py", "--cfg", DEMO_CFG, *_opts(tiny_set, str(ckpt)),
+                    "HOOKS.CUSTOM", "[{'type': 'EarlyStopingHook'}]", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "Error: Unknown hook 'EarlyStopingHook'. Did you mean 'EarlyStoppingHook'? Registered: "
+        + proc.stderr.split("Registered: ")[1].strip()]
+    assert sorted(os.listdir(ckpt)) == ["log.txt"]
