@@ -404,7 +404,7 @@ def test_loader_reproducible_with_and_without_workers(shapes_root):
 
 def test_epoch_mode_loader_has_a_length_and_reshuffles(shapes_root):
     name = _register_shapes(shapes_root, "train")
-    loader = build_train_loader(_cfg("TRAIN.DATASETS", (name,), "SOLVER.MAX_EPOCHS", 2,
+    loader = build_train_loader(_cfg("TRAIN.DATASETS", (name,), "SOLVER.MAX_ITER", 0, "SOLVER.MAX_EPOCHS", 2,
                                      "DATA.ASPECT_RATIO_GROUPING", False))
     assert len(loader) == 3
     order = [[t["image_id"] for t in targets] for _, targets in loader]
