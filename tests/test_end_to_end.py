@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import cv2
+import numpy as np
 import pytest
 from pycocotools.coco import COCO
 
@@ -45,6 +47,7 @@ def test_train_then_test_writes_every_promised_file(tiny_set, tmp_path):
     ckpt = str(tmp_path / "run")
     train = run_tool("train_net.py", "--cfg", DEMO_CFG, *_opts(tiny_set, ckpt))
     assert "Overall training speed" in train.stdout
+    assert "M parameters" in train.stdout and "GFLOPs on a 256x256 image" in train.stdout
     for name in ("config.yaml", "log.txt", "metrics.json", "last_checkpoint", "model_iter4.pth", "model_final.pth"):
         assert os.path.isfile(os.path.join(ckpt, name)), name
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(ckpt))
@@ -53,8 +56,9 @@ def test_train_then_test_writes_every_promised_file(tiny_set, tmp_path):
         png = f.read()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
 
-    test = run_tool("test_net.py", "--cfg", DEMO_CFG, *_opts(tiny_set, ckpt))
+    test = run_tool("test_net.py", "--cfg", DEMO_CFG, "--vis", "3", *_opts(tiny_set, ckpt))
     assert "[Testing][range:1-8 of 8]" in test.stdout
+    assert "GFLOPs" in test.stdout
     gt = COCO(os.path.join(tiny_set, "annotations", "val.json"))
     with open(os.path.join(ckpt, "test", "bbox.json")) as f:
         detections = json.load(f)
@@ -65,6 +69,23 @@ def test_train_then_test_writes_every_promised_file(tiny_set, tmp_path):
         report = json.load(f)
     assert "bbox/AP" in report["metrics"] and "bbox/AP50" in report["metrics"]
     assert report["speed"]["timed_iters"] == 3 and report["speed"]["iter"]["mean_ms"] > 0
+
+    vis_dir = os.path.join(ckpt, "test", "vis")
+    first_images = sorted(gt.loadImgs(gt.getImgIds()), key=lambda info: info["id"])[:3]
+    assert sorted(os.listdir(vis_dir)) == sorted(os.path.splitext(i["file_name"])[0] + ".png" for i in first_images)
+    for info in first_images:
+        path = os.path.join(vis_dir, os.path.splitext(info["file_name"])[0] + ".png")
+        picture = cv2.imread(path)
+        assert picture is not None and picture.shape[:2] == (info["height"], info["width"])
+        assert os.path.getsize(path) > 5_000
+        assert not np.array_equal(picture, cv2.imread(os.path.join(tiny_set, "val", info["file_name"])))  # drawn on
+
+    rescore = run_tool("test_net.py", "--cfg", DEMO_CFG, "--eval-only-results",
+                       os.path.join(ckpt, "test", "bbox.json"), *_opts(tiny_set, ckpt))
+    assert "Per-category bbox AP" in rescore.stdout and "[Testing]" not in rescore.stdout
+    with open(os.path.join(ckpt, "test", "metrics_rescored.json")) as f:
+        rescored = json.load(f)["metrics"]
+    assert rescored == pytest.approx(report["metrics"], nan_ok=True)
 
 
 def test_cli_rejects_an_unknown_key_with_one_line_and_creates_nothing(tmp_path):

@@ -222,3 +222,39 @@ class TinyBoxHead(torch.nn.Sequential):
     def __init__(self, cfg, in_channels: int) -> None:
         super().__init__(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
                          torch.nn.Linear(in_channels, cfg.MODEL.ROI_BOX_HEAD.MLP_DIM), torch.nn.ReLU())
+
+
+def test_model_summary_counts_parameters_and_flops_without_touching_the_rng(demo_model):
+    from pet.utils.model_summary import model_summary
+
+    demo_model.train()
+    rng = torch.get_rng_state()
+    small, large = model_summary(demo_model, (64, 64)), model_summary(demo_model, (128, 128))
+    assert torch.equal(torch.get_rng_state(), rng)  # counting FLOPs must not change what training draws
+    assert demo_model.training  # the mode is restored
+    assert small["params"] == sum(p.numel() for p in demo_model.parameters())
+    assert small["trainable_params"] == sum(p.numel() for p in demo_model.parameters() if p.requires_grad)
+    # Backbone and RPN scale with the pixel count, the box head (a fixed number of RoIs) does not.
+    assert 0 < small["gflops"] and 1.5 < large["gflops"] / small["gflops"] < 4.0
+
+
+def test_model_summary_without_a_size_or_with_an_untraceable_model_still_logs(caplog):
+    from pet.utils.model_summary import log_model_summary
+
+    class NotADetector(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 2)
+
+        def forward(self, images, targets):
+            raise RuntimeError("needs real targets")
+
+    cfg = load_cfg(None, ["INPUT.MIN_SIZE_TEST", "0"])
+    with caplog.at_level(logging.INFO, logger="pet.utils.model_summary"):
+        assert log_model_summary(NotADetector(), cfg)["gflops"] is None
+    assert "0.00 M parameters" in caplog.text and "set MODEL.FLOPS_INPUT_SIZE" in caplog.text
+    caplog.clear()
+    cfg = load_cfg(None, ["MODEL.FLOPS_INPUT_SIZE", "(32, 32)"])
+    with caplog.at_level(logging.INFO, logger="pet.utils.model_summary"):
+        assert log_model_summary(NotADetector(), cfg)["params"] == 8
+    assert "Could not count FLOPs of NotADetector: RuntimeError: needs real targets" in caplog.text

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import sys
 
+import pytest
 import torch
 from conftest import InfiniteToyLoader, ToyModel
 
@@ -89,3 +91,47 @@ def test_add_your_own_model_example_builds_and_trains(tmp_path, monkeypatch):
     losses = model(images, targets)
     sum(losses.values()).backward()
     assert model.roi_heads.box_head.conv.weight.grad is not None
+
+
+def test_dump_detections_test_hook_example_writes_one_line_per_image(tmp_path, monkeypatch):
+    from pet.engine.inference import build_test_hooks, inference_on_dataset
+
+    monkeypatch.delitem(sys.modules, "my_project", raising=False)
+    package = tmp_path / "my_project"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "test_hooks.py").write_text(next(b for b in _blocks("python") if "class DumpDetections" in b))
+    (tmp_path / "run.yaml").write_text(next(b for b in _blocks("yaml") if "my_project.test_hooks.DumpDetections" in b))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_cfg(str(tmp_path / "run.yaml"), ["CKPT", str(tmp_path / "out"), "DEVICE", "cpu"])
+
+    class TwoBoxes(torch.nn.Module):
+        """Per image: one confident and one doubtful detection."""
+
+        def __init__(self):
+            super().__init__()
+            self.anchor = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, images, targets):
+            return [{"boxes": torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]]),
+                     "scores": torch.tensor([0.9, 0.2]), "labels": torch.tensor([1, 2])} for _ in targets]
+
+    class Ignore:
+        predictions = []
+
+        def reset(self):
+            pass
+
+        def process(self, inputs, outputs):
+            pass
+
+        def evaluate(self):
+            return {}
+
+    batches = [(torch.zeros(2, 3, 8, 8), [{"image_id": 2 * i}, {"image_id": 2 * i + 1}]) for i in range(3)]
+    timer, hooks = build_test_hooks(cfg)
+    inference_on_dataset(TwoBoxes(), batches, Ignore(), timer, hooks)
+    with open(tmp_path / "out" / "test" / "detections.jsonl") as f:
+        lines = [json.loads(line) for line in f]
+    assert [line["image_id"] for line in lines] == list(range(6))
+    assert lines[0] == {"image_id": 0, "boxes": [[1.0, 2.0, 3.0, 4.0]], "scores": [pytest.approx(0.9)], "labels": [1]}

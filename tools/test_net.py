@@ -1,9 +1,9 @@
 """Test a model: python tools/test_net.py --cfg cfgs/<dataset>/<model>.yaml [KEY VALUE ...]
 
 Weights: TEST.WEIGHTS, or CKPT/model_final.pth when it is empty. Writes CKPT/test/
-(bbox.json, metrics.json with the COCO metrics and the speed summary).
+(bbox.json, metrics.json with the COCO metrics and the speed summary, vis/ with --vis N).
+``--eval-only-results FILE`` scores a saved results file instead, without the model.
 """
-import json
 import os
 import sys
 
@@ -13,7 +13,11 @@ from pet.data import register_custom_datasets  # noqa: E402
 from pet.engine.defaults import default_argument_parser, default_setup, launch_cli  # noqa: E402
 from pet.engine.inference import build_test_hooks, evaluate_on_datasets  # noqa: E402
 from pet.engine.trainer import resolve_device  # noqa: E402
+from pet.evaluation import DetectionVisualizer, evaluate_results_file  # noqa: E402
+from pet.evaluation.coco import write_json_atomic  # noqa: E402
 from pet.utils import comm  # noqa: E402
+from pet.utils.errors import ConfigError  # noqa: E402
+from pet.utils.model_summary import log_model_summary  # noqa: E402
 from pet.utils.registry import META_ARCH_REGISTRY  # noqa: E402
 from pet.utils.weights import load_weights  # noqa: E402
 
@@ -29,15 +33,40 @@ def combine_speed(per_rank: list[dict]) -> dict:
     return combined
 
 
+def rescore(cfg, results_file: str, output_dir: str) -> None:
+    """Score a saved COCO results file on the (single) test dataset; metrics go to metrics_rescored.json."""
+    if len(cfg.TEST.DATASETS) != 1:
+        raise ConfigError(f"--eval-only-results scores one dataset, but TEST.DATASETS has {len(cfg.TEST.DATASETS)}: "
+                          f"{list(cfg.TEST.DATASETS)}. Name the one the file was made on, e.g. TEST.DATASETS "
+                          f"\"('{cfg.TEST.DATASETS[0] if cfg.TEST.DATASETS else 'shapes_val'}',)\".")
+    if comm.is_main_process():
+        results = evaluate_results_file(cfg.TEST.DATASETS[0], results_file)
+        metrics = {f"{task}/{name}": value for task, values in results.items() for name, value in values.items()}
+        write_json_atomic(os.path.join(output_dir, "metrics_rescored.json"),
+                          {"results_file": os.path.abspath(results_file), "metrics": metrics})
+
+
 def main() -> None:
-    args = default_argument_parser("Evaluate a detector with Pet").parse_args()
+    parser = default_argument_parser("Evaluate a detector with Pet")
+    parser.add_argument("--eval-only-results", metavar="FILE",
+                        help="score a saved COCO results file (e.g. CKPT/test/bbox.json) without running the model")
+    parser.add_argument("--vis", type=int, default=0, metavar="N",
+                        help="draw detections over ground truth on the first N test images into CKPT/test/vis/")
+    args = parser.parse_args()
     cfg = default_setup(args.cfg_file, args.opts, args.local_rank)
     register_custom_datasets(cfg)
     output_dir = os.path.join(cfg.CKPT, "test")
+    if args.eval_only_results:
+        rescore(cfg, args.eval_only_results, output_dir)
+        return
     model = META_ARCH_REGISTRY.get(cfg.MODEL.META_ARCHITECTURE)(cfg)
     load_weights(model, cfg.TEST.WEIGHTS or os.path.join(cfg.CKPT, "model_final.pth"), unsafe=args.unsafe_load)
     model.to(resolve_device(cfg.DEVICE))
+    if comm.is_main_process():
+        log_model_summary(model, cfg)
     test_hook, hooks = build_test_hooks(cfg, args.cfg_file)
+    if args.vis > 0:
+        hooks.append(DetectionVisualizer(cfg.CKPT, num_images=args.vis))
     metrics = evaluate_on_datasets(cfg, model, output_dir, test_hook, hooks)
     # Every rank timed its own shard: keep each rank's summary and their combination.
     per_rank = comm.all_gather_object(test_hook.speed_summary())
@@ -45,8 +74,7 @@ def main() -> None:
         report = {"metrics": metrics, "speed": test_hook.speed_summary()}
         if len(per_rank) > 1:
             report["speed_per_rank"] = {"ranks": per_rank, "combined": combine_speed(per_rank)}
-        with open(os.path.join(output_dir, "metrics.json"), "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
+        write_json_atomic(os.path.join(output_dir, "metrics.json"), report)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pet.data import register_custom_datasets  # noqa: E402
+from pet.engine.checkpoint import unwrap_model  # noqa: E402
 from pet.engine.defaults import default_argument_parser, default_setup, launch_cli  # noqa: E402
 from pet.engine.trainer import Trainer  # noqa: E402
 from pet.utils import comm  # noqa: E402
+from pet.utils.model_summary import log_model_summary  # noqa: E402
 
 
 def main() -> None:
@@ -20,6 +22,7 @@ def main() -> None:
     if comm.is_main_process():
         with open(os.path.join(cfg.CKPT, "config.yaml"), "w", encoding="utf-8") as f:
             f.write(cfg.dump())
+        log_model_summary(unwrap_model(trainer.model), cfg)
     trainer.resume_or_load(resume=args.resume or cfg.TRAIN.AUTO_RESUME, unsafe=args.unsafe_load)
     trainer.train()
 

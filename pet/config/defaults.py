@@ -65,6 +65,9 @@ _C.MODEL.PIXEL_MEAN = [123.675, 116.28, 103.53]
 _C.MODEL.PIXEL_STD = [58.395, 57.12, 57.375]
 # Run convolutions in channels-last memory format (much faster backward on CPU).
 _C.MODEL.CHANNELS_LAST = True
+# (H, W) of the image on which the model summary logged at the start of train and test counts
+# FLOPs. Empty: INPUT.MIN_SIZE_TEST by 4/3 of it (capped at MAX_SIZE_TEST), a typical COCO shape.
+_C.MODEL.FLOPS_INPUT_SIZE = ()
 
 _C.MODEL.BACKBONE = CN()
 # Registered backbone builder (pet.modeling.BACKBONE_REGISTRY): ResNet + FPN.

@@ -35,8 +35,8 @@ class Evaluator(Protocol):
 
 
 def _shard_range(data_loader: Any) -> tuple[int, int, int]:
-    """(first index, end index, dataset size) of this process's shard."""
-    total = len(data_loader.dataset)
+    """(first index, end index, dataset size) of this process's shard; a plain sequence of batches counts batches."""
+    total = len(getattr(data_loader, "dataset", data_loader))
     sampler = getattr(data_loader, "sampler", None)
     start = getattr(sampler, "start", 0)
     end = getattr(sampler, "end", total)

@@ -1,0 +1,74 @@
+"""Pictures of test results: detections (class, score) drawn over the ground truth."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import cv2
+import numpy as np
+
+from pet.engine.hooks import HOOKS, TestHook
+from pet.utils import comm
+from pet.utils.visualization import draw_detections
+
+__all__ = ["DetectionVisualizer"]
+
+logger = logging.getLogger(__name__)
+
+
+@HOOKS.register()
+class DetectionVisualizer(TestHook):
+    """After the test, write the first ``num_images`` test images with their detections to ``CKPT/test/vis/``.
+
+    Ground truth is drawn in thin white, detections scoring at least ``score_thresh`` in a
+    colour per class with ``class score``. It reads the saved COCO results, not the model's
+    raw outputs, so a picture shows exactly what was scored. ``tools/test_net.py --vis N``
+    adds it; in YAML: ``TEST.HOOKS: [{TYPE: DetectionVisualizer, NUM_IMAGES: 8}]``.
+    """
+
+    def __init__(self, output_dir: str, num_images: int = 8, score_thresh: float = 0.5) -> None:
+        super().__init__()
+        self.vis_dir = os.path.join(output_dir, "test", "vis")
+        self.num_images = num_images
+        self.score_thresh = score_thresh
+        self.dataset: Any = None
+        self.written: list[str] = []
+
+    def before_test(self, data_loader: Any = None, **kwargs: Any) -> None:
+        self.dataset = getattr(data_loader, "dataset", None)
+
+    def after_test(self, results: list[dict[str, Any]] | None = None, **kwargs: Any) -> None:
+        if not comm.is_main_process() or self.dataset is None or results is None:
+            return
+        from pet.data.dataset import read_image
+
+        coco = self.dataset.coco
+        names = {c["id"]: c["name"] for c in coco.loadCats(coco.getCatIds())}
+        by_image: dict[int, list[dict[str, Any]]] = {}
+        for det in results:
+            if det["score"] >= self.score_thresh:
+                by_image.setdefault(det["image_id"], []).append(det)
+        os.makedirs(self.vis_dir, exist_ok=True)
+        for image_id in sorted(coco.getImgIds())[: self.num_images]:
+            info = coco.loadImgs(image_id)[0]
+            image = read_image(os.path.join(self.dataset.image_root, info["file_name"]), image_id)
+            gt = [a["bbox"] for a in coco.loadAnns(coco.getAnnIds(imgIds=image_id, iscrowd=None))]
+            dets = by_image.get(image_id, [])
+            canvas = draw_detections(
+                image,
+                _xywh_to_xyxy([d["bbox"] for d in dets]),
+                [names[d["category_id"]] for d in dets],
+                [d["score"] for d in dets],
+                gt_boxes=_xywh_to_xyxy(gt),
+            )
+            path = os.path.join(self.vis_dir, f"{os.path.splitext(os.path.basename(info['file_name']))[0]}.png")
+            cv2.imwrite(path, cv2.cvtColor(canvas, cv2.COLOR_RGB2BGR))
+            self.written.append(path)
+        logger.info(f"Wrote {len(self.written)} detection pictures (score >= {self.score_thresh}) to {self.vis_dir}")
+
+
+def _xywh_to_xyxy(boxes: list[list[float]]) -> np.ndarray:
+    array = np.asarray(boxes, dtype=np.float32).reshape(-1, 4)
+    array[:, 2:] += array[:, :2]
+    return array
