@@ -51,7 +51,8 @@ def _opts(tiny_set: str, ckpt: str, max_iter: int = 4, test_batch: int = 1) -> l
     return ["CKPT", ckpt, "DATA.CUSTOM", custom, "TRAIN.DATASETS", "('tiny_train',)",
             "TEST.DATASETS", "('tiny_val',)", "SOLVER.MAX_ITER", str(max_iter), "SOLVER.IMS_PER_BATCH", "2",
             "TEST.IMS_PER_BATCH", str(test_batch), "DATA.NUM_WORKERS", "0", "DISPLAY_ITER", "2",
-            "TEST.NUM_WARMUP", "1", "HOOKS.CHECKPOINT.INTERVAL", "2", "DEVICE", "cpu", "SEED", "3"]
+            "TEST.NUM_WARMUP", "1", "HOOKS.CHECKPOINT.INTERVAL", "2", "DEVICE", "cpu", "SEED", "3",
+            "TEST.EVAL_PERIOD", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +140,13 @@ def test_sync_bn_on_cpu_is_a_config_error_in_every_rank(tiny_set, tmp_path):
     assert "Error: SyncBN (MODEL.BACKBONE.NORM) needs CUDA devices" in proc.stderr
     # torchrun itself reports the failed children with its own traceback; the ranks must not add theirs.
     assert "[rank0]: Traceback" not in proc.stderr and "ValueError" not in proc.stderr
+
+
+def test_test_batch_that_cannot_be_split_stops_before_training(tiny_set, tmp_path):
+    """Validation's batch size is checked when the hooks are built, not after the run has trained for hours."""
+    ckpt = tmp_path / "uneven"
+    proc = run_tool("train_net.py", "--cfg", DEMO_CFG, *_opts(tiny_set, str(ckpt), max_iter=2), "TEST.EVAL_PERIOD", "1",
+                    nproc=2, check=False)
+    assert proc.returncode != 0
+    assert "Error: TEST.IMS_PER_BATCH (1) must be a positive multiple of the number of processes (2)." in proc.stderr
+    assert not [f for f in os.listdir(ckpt) if f.endswith(".pth")] if ckpt.exists() else True

@@ -60,7 +60,14 @@ def is_better(value: float, best: float | None, rule: str, min_delta: float = 0.
 
 
 def default_eval_function(cfg: Any) -> Callable[[Any], dict[str, float]]:
-    """Validation on ``TEST.DATASETS`` with the COCO evaluator; results under ``CKPT/val``."""
+    """Validation on ``TEST.DATASETS`` with the COCO evaluator; results under ``CKPT/val``.
+
+    The test batch size is checked here, when the hooks are built, so a setting that cannot be split over the
+    processes stops the run before training rather than at the first validation.
+    """
+    from pet.data.build import per_process_batch_size
+
+    per_process_batch_size(cfg.TEST.IMS_PER_BATCH, "TEST.IMS_PER_BATCH")
 
     def evaluate(trainer: Any) -> dict[str, float]:
         from pet.engine.inference import evaluate_on_datasets  # the test loop imports the trainer
