@@ -5,10 +5,15 @@ import itertools
 import json
 import logging
 import os
+import re
+import runpy
+import subprocess
+import sys
 import uuid
 
 import cv2
 import numpy as np
+import pycocotools.mask as mask_util
 import pytest
 import torch
 
@@ -24,9 +29,13 @@ from pet.data import (
     register_coco_dataset,
 )
 from pet.data.samplers import EpochSampler, GroupedBatchSampler, InferenceSampler, TrainingSampler
-from pet.data.transforms import HFlipTransform, RandomFlip, ResizeShortestEdge, apply_augmentations
+from pet.data.transforms import ColorTransform, HFlipTransform, RandomFlip, ResizeShortestEdge, apply_augmentations
 from pet.utils import comm
 from pet.utils.errors import ConfigError, DataError
+from pet.utils.visualization import _class_color
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO_CFG = os.path.join(ROOT, "cfgs", "shapes", "faster_rcnn_R-18-FPN.yaml")
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +156,8 @@ def test_crowd_excluded_and_empty_images_filtered_only_in_training(tmp_path):
     name, *_ = _write_coco(tmp_path, images=[(1, 20, 20), (2, 20, 20), (3, 20, 20)], annotations=annotations)
     cfg = _cfg("TRAIN.DATASETS", (name,), "SOLVER.IMS_PER_BATCH", 1, num_classes=1)
     assert len(build_train_loader(cfg).dataset) == 1
+    cfg.DATA.FILTER_EMPTY = False
+    assert len(build_train_loader(cfg).dataset) == 3
     test_loader = build_test_loader(cfg, name)
     assert len(test_loader.dataset) == 3
     targets = [t for _, batch in test_loader for t in batch]
@@ -250,6 +261,87 @@ def test_missing_image_file(tmp_path):
     assert len(loader.dataset) == 1 and loader.dataset.num_skipped == 1
 
 
+# Through tools/train_net.py: one line on stderr naming the culprit, exit status 2, no traceback.
+_BAD_DATA = {
+    "missing json": ({}, "Annotation file of dataset '{name}' not found: .*nope.json. Check the path"),
+    "invalid json": ({"json_text": "{not json"},
+                     r"ann.json of dataset '{name}' is not valid JSON .*fix or re-download"),
+    "not coco": ({"json_text": '{"images": []}'}, "ann.json of dataset '{name}' is not in COCO format: it needs"),
+    "unknown image": ({"annotations": [{"id": 5, "image_id": 99, "category_id": 1, "bbox": [0, 0, 2, 2]}]},
+                      r"Annotation 5 in .*ann.json \(dataset '{name}'\) refers to image id 99.*Fix the image_id"),
+    "unknown category": ({"annotations": [{"id": 6, "image_id": 1, "category_id": 4, "bbox": [0, 0, 2, 2]}]},
+                         r"Annotation 6 .*\(image id 1\) has category id 4, which is not in 'categories'"),
+    "box outside, strict": ({"annotations": [{"id": 7, "image_id": 1, "category_id": 1, "bbox": [30, 20, 20, 20]}],
+                             "opts": ["DATA.STRICT", True]},
+                            r"Annotation 7 .*\(image id 1\): bbox \[30, 20, 20, 20\] lies outside the 40x30 image"),
+    "empty box, strict": ({"annotations": [{"id": 8, "image_id": 1, "category_id": 1, "bbox": [5, 5, 0, 4]}],
+                           "opts": ["DATA.STRICT", True]}, r"Annotation 8 .* has zero or negative size. Fix it"),
+    "empty dataset": ({"images": [], "annotations": []}, "ann.json .* lists no images; .* Point the dataset at"),
+    "no usable box": ({"annotations": []}, "Dataset '{name}' has no image with a usable .*DATA.FILTER_EMPTY False"),
+    "missing image": ({"remove": "1.png"}, r"1 of 1 image files .* missing, e.g. .*1.png \(image id 1\)"),
+    "mask without segmentation": ({"opts": ["MODEL.MASK_ON", True]},
+                                  r"MODEL.MASK_ON is True but 1 annotations of dataset '{name}'"),
+}
+
+
+def _run_train_net_here(monkeypatch, capsys, *args) -> tuple[int, str]:
+    """Run tools/train_net.py in this process (a subprocess each would cost seconds); (exit status, stderr)."""
+    pet_logger = logging.getLogger("pet")
+    saved = pet_logger.handlers[:], pet_logger.propagate, pet_logger.level
+    monkeypatch.setattr(sys, "argv", ["train_net.py", *map(str, args)])
+    status = 0
+    try:
+        runpy.run_path(os.path.join(ROOT, "tools", "train_net.py"), run_name="__main__")
+    except SystemExit as exc:
+        status = exc.code
+    finally:  # train_net reconfigures the 'pet' logger; later tests rely on it propagating
+        for handler in set(pet_logger.handlers) - set(saved[0]):
+            handler.close()
+        pet_logger.handlers[:], pet_logger.propagate = saved[0], saved[1]
+        pet_logger.setLevel(saved[2])
+    return status, capsys.readouterr().err
+
+
+def _train_opts(tmp_path, name: str, json_file: str, image_dir: str) -> list[str]:
+    return ["--cfg", DEMO_CFG, "CKPT", tmp_path / "run", *_custom_opts(json_file, image_dir, name),
+            "MODEL.NUM_CLASSES", 1, "SOLVER.IMS_PER_BATCH", 2, "SOLVER.MAX_ITER", 2, "TEST.EVAL_PERIOD", 0,
+            "TRAIN.AUTO_RESUME", False, "INPUT.MIN_SIZE_TRAIN", "(0,)"]
+
+
+@pytest.mark.parametrize("case", list(_BAD_DATA))
+def test_bad_data_stops_train_net_with_one_clear_line(tmp_path, monkeypatch, capsys, case):
+    spec, expected = _BAD_DATA[case]
+    _, json_file, image_dir = _write_coco(tmp_path, images=spec.get("images", ((1, 40, 30),)),
+                                          annotations=spec.get("annotations"))
+    if "json_text" in spec:
+        with open(json_file, "w") as f:
+            f.write(spec["json_text"])
+    if case == "missing json":
+        json_file = str(tmp_path / "nope.json")
+    if "remove" in spec:
+        os.remove(os.path.join(image_dir, spec["remove"]))
+    name = f"bad_{uuid.uuid4().hex[:8]}"
+    status, stderr = _run_train_net_here(monkeypatch, capsys, *_train_opts(tmp_path, name, json_file, image_dir),
+                                         *spec.get("opts", []))
+    assert status == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), stderr
+    assert re.search(expected.replace("{name}", name), lines[0]), lines[0]
+
+
+def test_corrupt_image_in_a_worker_stops_train_net_with_one_clear_line(tmp_path):
+    name, json_file, image_dir = _write_coco(tmp_path, images=[(i, 24, 20) for i in range(1, 5)])
+    for i in range(1, 5):  # every image broken: the first batch, loaded in the worker, must fail
+        with open(os.path.join(image_dir, f"{i}.png"), "wb") as f:
+            f.write(b"this is not a png")
+    proc = _run_tool("train_net.py", *_train_opts(tmp_path, "broken", json_file, image_dir), "DATA.NUM_WORKERS", 1)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert re.match(r"Error: Cannot decode image .*\d.png \(image id \d\): the file is empty, corrupt or not an "
+                    r"image. Replace or remove it, or set DATA.ON_BAD_IMAGE skip", lines[0]), lines[0]
+
+
 def _corrupt_dataset(tmp_path):
     name, _, image_dir = _write_coco(tmp_path, images=[(i, 24, 20) for i in range(1, 5)])
     with open(os.path.join(image_dir, "3.png"), "wb") as f:
@@ -318,6 +410,111 @@ def test_resize_respects_max_size_and_multi_scale():
     np.testing.assert_allclose(flip.apply_boxes(flip.apply_boxes(np.array([[1, 2, 4, 6]], np.float32))), [[1, 2, 4, 6]])
 
 
+def test_color_transform_matches_torchvision_and_keeps_geometry():
+    from torchvision.transforms.v2 import functional as F
+
+    image = np.random.default_rng(0).integers(0, 256, (20, 30, 3), dtype=np.uint8)
+    jitter = ColorTransform(brightness=1.3, contrast=0.7, saturation=1.4)
+    chw = torch.from_numpy(image).permute(2, 0, 1)
+    reference = F.adjust_saturation(F.adjust_contrast(F.adjust_brightness(chw, 1.3), 0.7), 1.4)
+    # torchvision rounds to uint8 after each step, Pet once at the end
+    assert np.abs(jitter.apply_image(image).astype(int) - reference.permute(1, 2, 0).numpy()).max() <= 3
+    assert ColorTransform().apply_image(image) is image
+    boxes = np.array([[1, 2, 5, 6]], np.float32)
+    np.testing.assert_array_equal(jitter.apply_boxes(boxes), boxes)
+
+
+def test_color_jitter_changes_pixels_not_boxes_and_is_seeded(shapes_root):
+    name = _register_shapes(shapes_root, "train")
+
+    def first_batch(*opts):
+        return next(iter(build_train_loader(_cfg("TRAIN.DATASETS", (name,), *opts))))
+
+    plain_images, plain_targets = first_batch()
+    jitter = ("INPUT.BRIGHTNESS", 0.4, "INPUT.CONTRAST", 0.4, "INPUT.SATURATION", 0.4)
+    images, targets = first_batch(*jitter)
+    assert images.shape == plain_images.shape and not torch.equal(images, plain_images)
+    for a, b in zip(targets, plain_targets):
+        assert a["image_id"] == b["image_id"] and a["image_size"] == b["image_size"]
+        assert torch.equal(a["boxes"], b["boxes"])
+    assert torch.equal(first_batch(*jitter)[0], images)  # same seed, same jitter
+    with pytest.raises(ConfigError, match=r"INPUT.CONTRAST must be in \[0, 1\]"):
+        first_batch("INPUT.CONTRAST", 1.5)
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def _mask_box(mask: torch.Tensor) -> list[int]:
+    ys, xs = torch.nonzero(mask, as_tuple=True)
+    return [int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1]
+
+
+@pytest.mark.parametrize("flip", [0.0, 1.0])
+def test_masks_follow_boxes_through_resize_and_flip(shapes_root, flip):
+    name = _register_shapes(shapes_root, "train")
+    loader = build_train_loader(_cfg("TRAIN.DATASETS", (name,), "MODEL.MASK_ON", True, "INPUT.FLIP_PROB", flip))
+    for _, targets in itertools.islice(loader, 3):
+        for t in targets:
+            masks = t["masks"]
+            assert masks.dtype == torch.uint8 and masks.shape == (len(t["boxes"]), *t["image_size"])
+            assert set(masks.unique().tolist()) == {0, 1}
+            for box, mask in zip(t["boxes"], masks):  # polygons of the visible part: their box is the bbox
+                np.testing.assert_allclose(_mask_box(mask), box.tolist(), atol=2)
+
+
+def test_polygon_and_rle_masks_stay_aligned_with_labels_through_resize_and_flip(tmp_path):
+    rle_region = np.zeros((30, 40), np.uint8)
+    rle_region[5:15, 20:30] = 1
+    rle = mask_util.encode(np.asfortranarray(rle_region))
+    rle["counts"] = rle["counts"].decode()
+    crowd = mask_util.encode(np.asfortranarray(np.ones((30, 40), np.uint8)))
+    crowd["counts"] = crowd["counts"].decode()
+    annotations = [
+        {"id": 1, "image_id": 1, "category_id": 7, "bbox": [2, 3, 10, 8],
+         "segmentation": [[2, 3, 12, 3, 12, 11, 2, 11], [0, 0, 1, 1]]},  # the 2-point polygon is dropped
+        {"id": 2, "image_id": 1, "category_id": 3, "bbox": [0, 0, 40, 30], "segmentation": crowd, "iscrowd": 1},
+        {"id": 3, "image_id": 1, "category_id": 7, "bbox": [5, 5, 0, 3], "segmentation": [[5, 5, 6, 5, 6, 8]]},
+        {"id": 4, "image_id": 1, "category_id": 3, "bbox": [20, 5, 10, 10], "segmentation": rle},
+    ]
+    name, *_ = _write_coco(tmp_path, annotations=annotations,
+                           categories=[{"id": 7, "name": "seven"}, {"id": 3, "name": "three"}])
+    cfg = _cfg("TRAIN.DATASETS", (name,), "SOLVER.IMS_PER_BATCH", 1, "MODEL.MASK_ON", True, "INPUT.MIN_SIZE_TRAIN",
+               (60,), "INPUT.MAX_SIZE_TRAIN", 1000, "INPUT.FLIP_PROB", 1.0, num_classes=2)
+    loader = build_train_loader(cfg)
+    _, (target,) = next(iter(loader))
+    # crowd (2) and zero-width (3) annotations are gone from boxes, labels and masks alike
+    assert [loader.dataset.label_to_category_id[int(label)] for label in target["labels"]] == [7, 3]
+    assert target["image_size"] == (60, 80) and target["masks"].shape == (2, 60, 80)
+    np.testing.assert_allclose(target["boxes"], [[80 - 24, 6, 80 - 4, 22], [80 - 60, 10, 80 - 40, 30]])
+    assert [_mask_box(m) for m in target["masks"]] == [[56, 6, 76, 22], [20, 10, 40, 30]]
+    expected_rle = np.repeat(np.repeat(rle_region, 2, axis=0), 2, axis=1)[:, ::-1]
+    assert np.array_equal(target["masks"][1].numpy(), expected_rle)
+    assert int(target["masks"][0].sum()) == 20 * 16
+
+
+def test_mask_on_needs_a_segmentation_for_every_box(tmp_path):
+    name, json_file, _ = _write_coco(tmp_path)  # boxes only
+    cfg = _cfg("TRAIN.DATASETS", (name,), "MODEL.MASK_ON", True, num_classes=1)
+    with pytest.raises(DataError, match=r"MODEL.MASK_ON is True but 1 annotations .*ann.json.* no usable "
+                                        r"'segmentation'.*annotation ids \[1\].*set MODEL.MASK_ON False"):
+        build_train_loader(cfg)
+    cfg.MODEL.MASK_ON = False
+    assert "masks" not in next(iter(build_train_loader(cfg)))[1][0]
+
+
+@pytest.mark.parametrize("segmentation, message", [
+    ({"counts": "00", "size": [10, 10]}, r"Annotation 1 .*image id 1.* RLE mask of size \[10, 10\].* 30x40"),
+    ({"size": [30, 40]}, "Annotation 1 .*RLE segmentation without 'counts' and 'size'"),
+    ([1, 2, 3, 4, 5, 6], r"Annotation 1 .*neither RLE nor a list of polygons"),
+])
+def test_malformed_segmentation_is_named(tmp_path, segmentation, message):
+    annotations = [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [2, 3, 10, 8], "segmentation": segmentation}]
+    _, json_file, image_dir = _write_coco(tmp_path, annotations=annotations)
+    with pytest.raises(DataError, match=message):
+        load_coco_json(json_file, image_dir)
+
+
 # --------------------------------------------------------------------------- samplers
 
 
@@ -368,6 +565,7 @@ def test_collate_pads_to_size_divisibility():
                {"image": torch.full((3, 65, 40), 9, dtype=torch.uint8), "image_id": 2}]
     images, targets = collate_batch(samples, size_divisibility=32)
     assert images.shape == (2, 3, 96, 96) and images.dtype == torch.uint8
+    assert images.is_contiguous(memory_format=torch.channels_last)  # no transpose of the HWC pixels
     assert images[0, :, :50, :70].eq(7).all() and images[0, :, 50:].eq(0).all() and images[0, :, :, 70:].eq(0).all()
     assert images[1, :, :65, :40].eq(9).all() and images[1, :, :, 40:].eq(0).all()
     assert [t["image_id"] for t in targets] == [1, 2] and "image" not in targets[0]
@@ -426,3 +624,35 @@ def test_test_loader_keeps_order_and_sizes(shapes_root):
     assert [t["image_id"] for t in targets] == sorted(loader.dataset.coco.getImgIds())
     assert all(min(t["image_size"]) == 192 for t in targets)
     assert loader.sampler.start == 0 and loader.sampler.end == 6 and loader.batch_size == 4
+
+
+# --------------------------------------------------------------------------- tools/visualize_data.py
+
+
+def _run_tool(tool: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), *map(str, args)], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def _custom_opts(json_file: str, image_dir: str, name: str = "mine") -> list[str]:
+    return ["DATA.CUSTOM", f"[{{'name': '{name}', 'json': '{json_file}', 'images': '{image_dir}'}}]",
+            "TRAIN.DATASETS", f"('{name}',)", "TEST.DATASETS", f"('{name}',)"]
+
+
+@pytest.mark.parametrize("split, short_side", [("train", 320), ("test", 160)])
+def test_visualize_data_writes_transformed_images_with_ground_truth(shapes_root, tmp_path, split, short_side):
+    out = tmp_path / "vis"
+    proc = _run_tool("visualize_data.py", "--cfg", DEMO_CFG, "--split", split, "--num", 3, "--out", out,
+                     *_custom_opts(f"{shapes_root}/annotations/val.json", f"{shapes_root}/val"),
+                     "MODEL.MASK_ON", True, "INPUT.MIN_SIZE_TRAIN", "(320,)", "INPUT.MIN_SIZE_TEST", 160)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    files = sorted(os.listdir(out))
+    assert len(files) == 3 and all(f.startswith(f"{split}_") and f.endswith(".png") for f in files)
+    class_colors = [np.array(_class_color(n)[::-1]) for n in ("circle", "rectangle", "triangle")]  # BGR on disk
+    for f in files:
+        picture = cv2.imread(str(out / f))
+        assert picture is not None and min(picture.shape[:2]) == short_side  # after the resize
+        assert os.path.getsize(out / f) > 5_000
+        drawn = sum(int(np.all(picture == c, axis=-1).sum()) for c in class_colors)
+        assert drawn > 100  # box outlines and name tags in the class colours

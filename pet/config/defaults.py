@@ -49,6 +49,11 @@ _C.INPUT.MIN_SIZE_TEST = 800
 _C.INPUT.MAX_SIZE_TEST = 1333
 # Probability of a horizontal flip at training time.
 _C.INPUT.FLIP_PROB = 0.5
+# Training-time colour jitter: brightness, contrast and saturation are each scaled by a factor
+# drawn uniformly from [1 - x, 1 + x] per image (as torchvision's ColorJitter); 0 disables each.
+_C.INPUT.BRIGHTNESS = 0.0
+_C.INPUT.CONTRAST = 0.0
+_C.INPUT.SATURATION = 0.0
 # Pad batched images so height and width are multiples of this.
 _C.INPUT.SIZE_DIVISIBILITY = 32
 
@@ -60,6 +65,9 @@ _C.MODEL = CN()
 _C.MODEL.META_ARCHITECTURE = "FasterRCNN"
 # Number of object classes, background excluded.
 _C.MODEL.NUM_CLASSES = 80
+# Instance masks: training samples then carry target["masks"] (uint8 [N, h, w], decoded from the
+# COCO polygons / RLE and transformed with the image); every non-crowd annotation needs a segmentation.
+_C.MODEL.MASK_ON = False
 # Per-channel mean and std of RGB pixels in [0, 255] used to normalise inputs.
 _C.MODEL.PIXEL_MEAN = [123.675, 116.28, 103.53]
 _C.MODEL.PIXEL_STD = [58.395, 57.12, 57.375]

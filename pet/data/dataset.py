@@ -25,7 +25,7 @@ from pycocotools.coco import COCO
 
 from pet.utils.errors import DataError
 
-__all__ = ["COCODataset", "DetectionDataset", "LoadFailure", "load_coco_json", "read_image"]
+__all__ = ["COCODataset", "DetectionDataset", "LoadFailure", "load_coco_json", "read_image", "require_masks"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +42,21 @@ class COCODataset:
         class_names: category names ordered by category id; label ``i + 1`` is ``class_names[i]``.
         label_to_category_id / category_id_to_label: contiguous labels (1..C) <-> COCO category ids.
         records: one dict per image: ``image_id``, ``file_name`` (full path), ``height``, ``width``,
-            ``boxes`` (float32 [N, 4] XYXY, clipped, crowd excluded) and ``labels`` (int64 [N]).
+            ``boxes`` (float32 [N, 4] XYXY, clipped, crowd excluded), ``labels`` (int64 [N]) and
+            ``segmentations`` (N entries in the order of ``boxes``: a list of float64 polygons
+            (x0, y0, x1, y1, ...), an RLE dict, or None when the annotation has none).
+        annotations_without_mask: ids of the annotations in ``records`` that have no usable segmentation.
     """
 
-    def __init__(self, name: str, json_file: str, image_root: str, coco: COCO, records: list[dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        name: str,
+        json_file: str,
+        image_root: str,
+        coco: COCO,
+        records: list[dict[str, Any]],
+        annotations_without_mask: Sequence[int] = (),
+    ) -> None:
         self.name = name
         self.json_file = json_file
         self.image_root = image_root
@@ -55,6 +66,7 @@ class COCODataset:
         self.label_to_category_id = {i + 1: c["id"] for i, c in enumerate(categories)}
         self.category_id_to_label = {cid: label for label, cid in self.label_to_category_id.items()}
         self.records = records
+        self.annotations_without_mask = list(annotations_without_mask)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -91,14 +103,19 @@ def load_coco_json(json_file: str, image_root: str, name: str | None = None, *, 
     sorted_ids = sorted(categories)
     cat_to_label = {cid: i + 1 for i, cid in enumerate(sorted_ids)}
     fixer = _BoxFixer(where, strict)
-    per_image: dict[int, list[tuple[list[float], int]]] = collections.defaultdict(list)
+    per_image: dict[int, list[tuple[list[float], int, Any]]] = collections.defaultdict(list)
+    without_mask = []
     for ann in annotations:
         if ann.get("iscrowd", 0):
             continue
         image = images[ann["image_id"]]
         box = fixer(ann, image["width"], image["height"])
-        if box is not None:
-            per_image[ann["image_id"]].append((box, cat_to_label[ann["category_id"]]))
+        if box is None:
+            continue
+        segmentation = _segmentation(ann, image, where)
+        if segmentation is None:
+            without_mask.append(ann["id"])
+        per_image[ann["image_id"]].append((box, cat_to_label[ann["category_id"]], segmentation))
     fixer.report()
 
     records = []
@@ -109,12 +126,14 @@ def load_coco_json(json_file: str, image_root: str, name: str | None = None, *, 
             "file_name": os.path.join(image_root, image["file_name"]),
             "height": image["height"],
             "width": image["width"],
-            "boxes": np.array([b for b, _ in objs], dtype=np.float32).reshape(-1, 4),
-            "labels": np.array([lab for _, lab in objs], dtype=np.int64),
+            "boxes": np.array([o[0] for o in objs], dtype=np.float32).reshape(-1, 4),
+            "labels": np.array([o[1] for o in objs], dtype=np.int64),
+            "segmentations": [o[2] for o in objs],
         })
     if not records:
-        raise DataError(f"{where} lists no images; an empty dataset cannot be trained or tested on.")
-    return COCODataset(name, json_file, image_root, coco, records)
+        raise DataError(f"{where} lists no images; an empty dataset cannot be trained or tested on. "
+                        "Point the dataset at an annotation file with images.")
+    return COCODataset(name, json_file, image_root, coco, records, without_mask)
 
 
 def read_image(path: str, image_id: int | None = None) -> np.ndarray:
@@ -260,6 +279,18 @@ class DetectionDataset(torch.utils.data.Dataset):
         return kept
 
 
+def require_masks(datasets: Sequence[COCODataset]) -> None:
+    """Fail up-front (not in a worker) when an annotation used for training has no segmentation."""
+    for d in datasets:
+        if d.annotations_without_mask:
+            ids = d.annotations_without_mask
+            raise DataError(
+                f"MODEL.MASK_ON is True but {len(ids)} annotations of dataset '{d.name}' ({d.json_file}) have no "
+                f"usable 'segmentation' (polygons with at least 3 points, or RLE), e.g. annotation ids {ids[:5]}. "
+                "Add their masks, or set MODEL.MASK_ON False to train on boxes only."
+            )
+
+
 def check_same_categories(datasets: Sequence[COCODataset]) -> None:
     """Datasets used together must share one label space (same category ids and names)."""
     first = datasets[0]
@@ -293,7 +324,8 @@ def _read_json(json_file: str, name: str) -> dict[str, Any]:
         with open(json_file, encoding="utf-8") as f:
             data = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DataError(f"Annotation file {json_file} of dataset '{name}' is not valid JSON: {exc}") from exc
+        raise DataError(f"Annotation file {json_file} of dataset '{name}' is not valid JSON ({exc}); it may be "
+                        "truncated: fix or re-download it.") from exc
     if isinstance(data, list):
         raise DataError(f"Annotation file {json_file} of dataset '{name}' holds a list (it looks like a detection "
                         "results file), not a COCO dataset dict with 'images', 'annotations' and 'categories'.")
@@ -381,6 +413,35 @@ def _check_annotations(
         ann.setdefault("iscrowd", 0)
         ann.setdefault("area", float(bbox[2]) * float(bbox[3]))
     return annotations
+
+
+def _segmentation(ann: dict[str, Any], image: dict[str, Any], where: str) -> Any:
+    """The annotation's mask as float64 polygons or an RLE dict; None when it has none.
+
+    Polygons with fewer than 3 points are dropped (pycocotools would read a 2-point one
+    as a box). A malformed segmentation or an RLE of another size than the image is an error.
+    """
+    segm = ann.get("segmentation")
+    if not segm:
+        return None
+    what = f"Annotation {ann['id']} in {where} (image id {ann['image_id']})"
+    if isinstance(segm, dict):
+        if "counts" not in segm or "size" not in segm:
+            raise DataError(f"{what} has an RLE segmentation without 'counts' and 'size': {str(segm)[:80]}.")
+        if list(segm["size"]) != [image["height"], image["width"]]:
+            raise DataError(f"{what} has an RLE mask of size {list(segm['size'])} (height, width) but the image is "
+                            f"{image['height']}x{image['width']}. Fix the mask or the image's width/height.")
+        return segm
+    try:
+        polygons = [np.asarray(p, dtype=np.float64) for p in segm]
+    except (TypeError, ValueError) as exc:
+        raise DataError(f"{what} has a segmentation that is neither RLE nor a list of polygons "
+                        f"[x0, y0, x1, y1, ...]: {str(segm)[:80]}.") from exc
+    if any(p.ndim != 1 for p in polygons):
+        raise DataError(f"{what} has a segmentation that is neither RLE nor a list of polygons "
+                        f"[x0, y0, x1, y1, ...]: {str(segm)[:80]}.")
+    polygons = [p for p in polygons if len(p) >= 6 and len(p) % 2 == 0]
+    return polygons or None
 
 
 class _BoxFixer:

@@ -1,10 +1,11 @@
-"""Geometric transforms on images and their annotations, with opencv.
+"""Transforms on images and their annotations, with opencv.
 
 An :class:`Augmentation` looks at an image size and draws a deterministic
 :class:`Transform` from a random generator; the transform is then applied to the
-image, the boxes and (for masks) the polygons, so every annotation stays consistent
-with the pixels. New annotation types only need an ``apply_*`` method built on
-``apply_coords``.
+image, the boxes and the masks (as polygons, or as bitmasks for RLE), so every
+annotation stays consistent with the pixels. New annotation types only need an
+``apply_*`` method built on ``apply_coords``. Photometric transforms (colour jitter)
+change pixels only: their ``apply_coords`` and ``apply_segmentation`` are the identity.
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import cv2
 import numpy as np
 
 __all__ = [
-    "Transform", "NoOpTransform", "ResizeTransform", "HFlipTransform", "TransformList",
-    "Augmentation", "ResizeShortestEdge", "RandomFlip", "apply_augmentations",
+    "Transform", "NoOpTransform", "ResizeTransform", "HFlipTransform", "ColorTransform", "TransformList",
+    "Augmentation", "ResizeShortestEdge", "RandomFlip", "RandomColorJitter", "apply_augmentations",
 ]
 
 
@@ -27,6 +28,10 @@ class Transform:
 
     def apply_coords(self, coords: np.ndarray) -> np.ndarray:
         """Transform float points [N, 2] given as (x, y)."""
+        raise NotImplementedError
+
+    def apply_segmentation(self, mask: np.ndarray) -> np.ndarray:
+        """Transform a uint8 [H, W] label mask like the image, without mixing labels (nearest neighbour)."""
         raise NotImplementedError
 
     def apply_boxes(self, boxes: np.ndarray) -> np.ndarray:
@@ -49,6 +54,9 @@ class NoOpTransform(Transform):
     def apply_coords(self, coords: np.ndarray) -> np.ndarray:
         return coords
 
+    def apply_segmentation(self, mask: np.ndarray) -> np.ndarray:
+        return mask
+
 
 class ResizeTransform(Transform):
     """Resize from (h, w) to (new_h, new_w) with bilinear interpolation."""
@@ -68,6 +76,11 @@ class ResizeTransform(Transform):
         coords[:, 1] *= self.new_h / self.h
         return coords
 
+    def apply_segmentation(self, mask: np.ndarray) -> np.ndarray:
+        if (self.new_h, self.new_w) == (self.h, self.w):
+            return mask
+        return cv2.resize(mask, (self.new_w, self.new_h), interpolation=cv2.INTER_NEAREST)
+
 
 class HFlipTransform(Transform):
     """Mirror an image of the given width left to right."""
@@ -82,6 +95,42 @@ class HFlipTransform(Transform):
         coords = np.array(coords, dtype=np.float64)
         coords[:, 0] = self.width - coords[:, 0]
         return coords
+
+    def apply_segmentation(self, mask: np.ndarray) -> np.ndarray:
+        return cv2.flip(mask, 1)
+
+
+class ColorTransform(Transform):
+    """Scale brightness, then contrast, then saturation by fixed factors (1 leaves a property as it is).
+
+    The operations are torchvision's ``adjust_brightness/contrast/saturation`` (blend with
+    black, with the mean gray level, with the gray image; clipped to [0, 255] after each),
+    done in float32 with numpy and opencv. Geometry is unchanged.
+    """
+
+    def __init__(self, brightness: float = 1.0, contrast: float = 1.0, saturation: float = 1.0) -> None:
+        self.brightness, self.contrast, self.saturation = brightness, contrast, saturation
+
+    def apply_image(self, image: np.ndarray) -> np.ndarray:
+        if self.brightness == self.contrast == self.saturation == 1.0:
+            return image
+        x = image.astype(np.float32)
+        if self.brightness != 1.0:
+            x *= self.brightness
+            np.clip(x, 0, 255, out=x)
+        if self.contrast != 1.0:
+            mean = float(cv2.cvtColor(x, cv2.COLOR_RGB2GRAY).mean())
+            x = _blend(x, mean, self.contrast)
+        if self.saturation != 1.0:
+            x = _blend(x, cv2.cvtColor(x, cv2.COLOR_RGB2GRAY)[..., None], self.saturation)
+        x += 0.5  # round to nearest when truncating to uint8
+        return x.astype(np.uint8)
+
+    def apply_coords(self, coords: np.ndarray) -> np.ndarray:
+        return coords
+
+    def apply_segmentation(self, mask: np.ndarray) -> np.ndarray:
+        return mask
 
 
 class TransformList(Transform):
@@ -99,6 +148,11 @@ class TransformList(Transform):
         for t in self.transforms:
             coords = t.apply_coords(coords)
         return coords
+
+    def apply_segmentation(self, mask: np.ndarray) -> np.ndarray:
+        for t in self.transforms:
+            mask = t.apply_segmentation(mask)
+        return mask
 
 
 class Augmentation:
@@ -141,6 +195,23 @@ class RandomFlip(Augmentation):
         if self.prob > 0 and rng.random() < self.prob:
             return HFlipTransform(width)
         return NoOpTransform()
+
+
+class RandomColorJitter(Augmentation):
+    """Brightness, contrast and saturation factors drawn uniformly from [1 - x, 1 + x] (x = 0: unchanged)."""
+
+    def __init__(self, brightness: float = 0.0, contrast: float = 0.0, saturation: float = 0.0) -> None:
+        self.ranges = (brightness, contrast, saturation)
+
+    def get_transform(self, height: int, width: int, rng: np.random.Generator) -> Transform:
+        return ColorTransform(*(float(rng.uniform(1 - x, 1 + x)) if x > 0 else 1.0 for x in self.ranges))
+
+
+def _blend(image: np.ndarray, other: np.ndarray | float, factor: float) -> np.ndarray:
+    """``factor * image + (1 - factor) * other`` clipped to [0, 255] (torchvision's ``_blend``), in place."""
+    image *= factor
+    image += (1.0 - factor) * other
+    return np.clip(image, 0, 255, out=image)
 
 
 def resized_shape(height: int, width: int, short: int, max_size: int) -> tuple[int, int]:

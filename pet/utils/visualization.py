@@ -66,22 +66,35 @@ def draw_detections(
     image_rgb: np.ndarray,
     boxes: np.ndarray,
     labels: Sequence[str],
-    scores: Sequence[float],
+    scores: Sequence[float] | None = None,
     gt_boxes: np.ndarray | None = None,
+    masks: np.ndarray | None = None,
 ) -> np.ndarray:
-    """An RGB copy of ``image_rgb`` with ground truth (thin white) and detections (class, score) drawn."""
+    """An RGB copy of ``image_rgb`` with ground truth (thin white) and detections (class, score) drawn.
+
+    Each box gets a colour per class name and a ``name score`` tag (just ``name`` when
+    ``scores`` is None, e.g. for ground truth). ``masks`` (bool or 0/1 [N, H, W], one per
+    box) are blended in under the boxes in the same colour, so overlapping instances stay visible.
+    """
     canvas = np.ascontiguousarray(image_rgb.copy())
+    colors = [_class_color(label) for label in labels]
+    for mask, color in zip([] if masks is None else masks, colors):
+        region = np.asarray(mask).astype(bool)
+        canvas[region] = (0.55 * canvas[region] + 0.45 * np.array(color, np.float32)).astype(np.uint8)
     for box in [] if gt_boxes is None else gt_boxes:
         x0, y0, x1, y1 = (int(round(v)) for v in box)
         cv2.rectangle(canvas, (x0, y0), (x1, y1), (255, 255, 255), 1, cv2.LINE_AA)
-    palette = plt.get_cmap("tab10")
-    for box, label, score in zip(boxes, labels, scores):
-        color = tuple(int(255 * c) for c in palette(zlib.crc32(label.encode()) % 10)[:3])
+    for i, (box, label, color) in enumerate(zip(boxes, labels, colors)):
         x0, y0, x1, y1 = (int(round(v)) for v in box)
         cv2.rectangle(canvas, (x0, y0), (x1, y1), color, 2, cv2.LINE_AA)
-        text = f"{label} {score:.2f}"
+        text = label if scores is None else f"{label} {scores[i]:.2f}"
         (tw, th), _ = cv2.getTextSize(text, cv2.FONT_HERSHEY_SIMPLEX, 0.4, 1)
         y_text = max(y0, th + 2)
         cv2.rectangle(canvas, (x0, y_text - th - 2), (x0 + tw + 2, y_text), color, -1)
         cv2.putText(canvas, text, (x0 + 1, y_text - 2), cv2.FONT_HERSHEY_SIMPLEX, 0.4, (0, 0, 0), 1, cv2.LINE_AA)
     return canvas
+
+
+def _class_color(label: str) -> tuple[int, int, int]:
+    """A tab10 colour fixed by the class name, so a class looks the same in every picture."""
+    return tuple(int(255 * c) for c in plt.get_cmap("tab10")(zlib.crc32(label.encode()) % 10)[:3])
