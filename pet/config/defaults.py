@@ -137,6 +137,16 @@ _C.MODEL.ROI_BOX_HEAD.MLP_DIM = 1024
 _C.MODEL.ROI_BOX_HEAD.POOLER_RESOLUTION = 7
 _C.MODEL.ROI_BOX_HEAD.POOLER_SAMPLING_RATIO = 2
 
+# Mask branch of MaskRCNN (torchvision's maskrcnn_resnet50_fpn with these defaults).
+_C.MODEL.ROI_MASK_HEAD = CN()
+# 3x3 convolutions on the pooled RoI features before the 2x deconvolution.
+_C.MODEL.ROI_MASK_HEAD.NUM_CONV = 4
+# Channels of each of those convolutions and of the deconvolution.
+_C.MODEL.ROI_MASK_HEAD.CONV_DIM = 256
+# RoIAlign output size (masks are predicted at twice this) and samples per bin (0: adaptive).
+_C.MODEL.ROI_MASK_HEAD.POOLER_RESOLUTION = 14
+_C.MODEL.ROI_MASK_HEAD.POOLER_SAMPLING_RATIO = 2
+
 # ---------------------------------------------------------------------------------------
 # Solver
 # ---------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
-"""COCO box evaluation through pycocotools.
+"""COCO box and mask evaluation through pycocotools.
 
 :class:`COCOEvaluator` collects a model's detections batch by batch, turns them into
-COCO results (the dataset's own category ids, XYWH boxes), gathers them from all
-processes and runs COCOeval on rank 0. :func:`evaluate_results_file` re-scores a saved
-``bbox.json`` without the model.
+COCO results (the dataset's own category ids, XYWH boxes, RLE masks), gathers them from
+all processes and runs COCOeval on rank 0 (iouType "bbox", and "segm" when the model
+outputs masks). :func:`evaluate_results_file` re-scores a saved ``bbox.json`` or
+``segm.json`` without the model.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import pycocotools.mask as mask_util
 import torch
 from pycocotools.cocoeval import COCOeval
 
@@ -30,13 +32,15 @@ __all__ = ["COCOEvaluator", "evaluate_results_file", "BOX_METRICS"]
 
 logger = logging.getLogger(__name__)
 
-# Names of COCOeval's first six summary numbers.
+# Names of COCOeval's first six summary numbers (the same for bbox and segm).
 BOX_METRICS = ("AP", "AP50", "AP75", "APs", "APm", "APl")
+# COCOeval iouType -> the field of a COCO result it scores.
+_RESULT_FIELD = {"bbox": "bbox", "segm": "segmentation"}
 
 
 @EVALUATOR_REGISTRY.register()
 class COCOEvaluator:
-    """Box AP of a detector on a COCO-format dataset.
+    """Box AP of a detector on a COCO-format dataset, and mask AP when its outputs have ``masks``.
 
     ``dataset`` is anything with ``coco`` (pycocotools ground truth), ``class_names`` and
     ``label_to_category_id`` — a loader's ``dataset`` or :func:`pet.data.get_dataset` —
@@ -58,6 +62,8 @@ class COCOEvaluator:
 
     def reset(self) -> None:
         self._predictions: dict[int, list[dict[str, Any]]] = {}
+        # Set by the first output with masks: even a batch without detections tells what to score.
+        self._with_masks = False
 
     @property
     def predictions(self) -> list[dict[str, Any]]:
@@ -66,7 +72,8 @@ class COCOEvaluator:
 
     def process(self, inputs: Any, outputs: Sequence[Mapping[str, Any]]) -> None:
         """Add one batch: ``outputs[i]`` holds boxes (XYXY, original image pixels), scores and
-        contiguous labels for the image of ``targets[i]``.
+        contiguous labels for the image of ``targets[i]``, and optionally ``masks`` (uint8
+        [N, H, W] 0/1 in the original image), which are kept as RLE.
 
         ``inputs`` is the loader's batch ``(images, targets)`` or just the ``targets`` list.
         """
@@ -74,16 +81,19 @@ class COCOEvaluator:
         targets = inputs[1] if is_batch else inputs
         for target, output in zip(targets, outputs):
             image_id = int(target["image_id"])
+            self._with_masks |= "masks" in output
             if image_id not in self._predictions:  # an image seen twice (a replaced bad image) counts once
                 self._predictions[image_id] = detections_to_coco(output, image_id, self.dataset.label_to_category_id)
 
     def evaluate(self) -> dict[str, dict[str, float]]:
-        """``{"bbox": {"AP": .., "AP50": .., "AP75": .., "APs": .., "APm": .., "APl": .., "AP-<class>": ..}}``.
+        """``{"bbox": {"AP": .., "AP50": .., "AP75": .., "APs": .., "APm": .., "APl": .., "AP-<class>": ..}}``,
+        plus the same under ``"segm"`` for mask AP when the outputs had masks.
 
         Values are percentages (0-100), as in detectron2; NaN where the dataset has no
         ground truth for a metric (e.g. APl without large objects). Gathers the
         predictions of all processes; only rank 0 evaluates, the others return ``{}``.
-        Writes ``output_dir/bbox.json`` (COCO results format) when ``output_dir`` is set.
+        Writes ``output_dir/bbox.json`` (and ``segm.json``; COCO results format) when
+        ``output_dir`` is set.
         """
         predictions = self._predictions
         if comm.get_world_size() > 1:
@@ -97,17 +107,23 @@ class COCOEvaluator:
             logger.warning("COCOEvaluator.evaluate() called without any processed image; returning {}.")
             return {}
         results = [d for image_id in sorted(predictions) for d in predictions[image_id]]
-        if self.output_dir:
-            path = os.path.join(self.output_dir, "bbox.json")
-            write_json_atomic(path, results)
-            logger.info(f"Saved {len(results)} detections to {path}")
-        metrics = _evaluate_boxes(self.dataset, results, image_ids=sorted(predictions))
-        return {"bbox": metrics}
+        with_masks = self._with_masks or any("segmentation" in d for d in results)
+        metrics = {}
+        for iou_type in ("bbox", "segm") if with_masks else ("bbox",):
+            task_results = _results_for(iou_type, results)
+            if self.output_dir:
+                path = os.path.join(self.output_dir, f"{iou_type}.json")
+                write_json_atomic(path, task_results)
+                logger.info(f"Saved {len(task_results)} detections to {path}")
+            metrics[iou_type] = _evaluate(self.dataset, task_results, sorted(predictions), iou_type)
+        return metrics
 
 
 def evaluate_results_file(dataset: Any, results_json: str) -> dict[str, dict[str, float]]:
-    """Score a saved COCO results file (such as ``bbox.json``) against ``dataset`` on all its images.
+    """Score a saved COCO results file against ``dataset`` on all its images.
 
+    Detections with ``bbox`` are scored as boxes (``bbox.json``), detections with an RLE
+    ``segmentation`` as masks (``segm.json``); a file whose detections have both gets both.
     ``dataset`` is as in :class:`COCOEvaluator`. Returns the same dict as ``evaluate()``.
     """
     if isinstance(dataset, str):
@@ -123,23 +139,33 @@ def evaluate_results_file(dataset: Any, results_json: str) -> dict[str, dict[str
         raise DataError(f"Results file {results_json} is not valid JSON: {exc}") from exc
     if not isinstance(results, list):
         raise DataError(f"Results file {results_json} must hold a list of detections "
-                        "({image_id, category_id, bbox, score}), as written by COCOEvaluator.")
-    known_images = set(dataset.coco.getImgIds())
+                        "({image_id, category_id, bbox or segmentation, score}), as written by COCOEvaluator.")
+    images = {img["id"]: img for img in dataset.coco.loadImgs(dataset.coco.getImgIds())}
     known_cats = set(dataset.coco.getCatIds())
     for i, det in enumerate(results):
-        if not isinstance(det, dict) or not {"image_id", "category_id", "bbox", "score"} <= det.keys():
-            raise DataError(f"Detection #{i} in {results_json} needs image_id, category_id, bbox and score: {det!r}")
-        if det["image_id"] not in known_images or det["category_id"] not in known_cats:
+        if (not isinstance(det, dict) or not {"image_id", "category_id", "score"} <= det.keys()
+                or not det.keys() & {"bbox", "segmentation"}):
+            raise DataError(f"Detection #{i} in {results_json} needs image_id, category_id, score and a bbox or "
+                            f"segmentation: {str(det)[:200]}")
+        if det["image_id"] not in images or det["category_id"] not in known_cats:
             raise DataError(f"Detection #{i} in {results_json} refers to image id {det['image_id']} / category id "
                             f"{det['category_id']}, which dataset '{getattr(dataset, 'name', '?')}' does not have. "
                             "Was the file made on another dataset?")
-    return {"bbox": _evaluate_boxes(dataset, results, image_ids=sorted(known_images))}
+        if "segmentation" in det:
+            _check_rle(det["segmentation"], images[det["image_id"]], f"Detection #{i} in {results_json}")
+    iou_types = [t for t, field in _RESULT_FIELD.items() if all(field in d for d in results)] if results else ["bbox"]
+    if not iou_types:
+        raise DataError(f"{results_json} mixes detections with only a bbox and detections with only a segmentation; "
+                        "keep boxes (bbox.json) and masks (segm.json) in separate files.")
+    image_ids = sorted(images)
+    return {t: _evaluate(dataset, _results_for(t, results), image_ids, t) for t in iou_types}
 
 
 def detections_to_coco(
     output: Mapping[str, Any], image_id: int, label_to_category_id: Mapping[int, int]
 ) -> list[dict[str, Any]]:
-    """One image's detections as COCO result dicts (XYWH boxes, the dataset's category ids)."""
+    """One image's detections as COCO result dicts (XYWH boxes, the dataset's category ids) with
+    their masks as RLE ``segmentation`` when ``output`` has ``masks``."""
     boxes = _to_numpy(output["boxes"]).astype(np.float64).reshape(-1, 4)
     scores = _to_numpy(output["scores"]).astype(np.float64).reshape(-1)
     labels = _to_numpy(output["labels"]).astype(np.int64).reshape(-1)
@@ -149,10 +175,23 @@ def detections_to_coco(
     except KeyError as exc:
         raise DataError(f"The model predicted label {exc.args[0]} for image {image_id}, but the dataset's labels "
                         f"are {sorted(label_to_category_id)}; check MODEL.NUM_CLASSES.") from None
-    return [
+    results = [
         {"image_id": image_id, "category_id": cid, "bbox": [round(float(v), 3) for v in box], "score": float(score)}
         for box, score, cid in zip(boxes, scores, category_ids)
     ]
+    if "masks" in output:
+        for result, rle in zip(results, masks_to_rle(output["masks"])):
+            result["segmentation"] = rle
+    return results
+
+
+def masks_to_rle(masks: Any) -> list[dict[str, Any]]:
+    """COCO RLEs (``{"size": [H, W], "counts": str}``, JSON-ready) of 0/1 masks ``[N, H, W]``."""
+    masks = _to_numpy(masks).astype(np.uint8, copy=False)
+    if len(masks) == 0:
+        return []
+    rles = mask_util.encode(np.asfortranarray(masks.transpose(1, 2, 0)))  # pycocotools wants [H, W, N], Fortran
+    return [{"size": [int(v) for v in rle["size"]], "counts": rle["counts"].decode("ascii")} for rle in rles]
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
@@ -170,25 +209,41 @@ def write_json_atomic(path: str, obj: Any) -> None:
         raise
 
 
-def _evaluate_boxes(dataset: Any, results: list[dict[str, Any]], image_ids: Iterable[int]) -> dict[str, float]:
+def _results_for(iou_type: str, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The results without the other task's field: COCO's ``loadRes`` takes a mask's area from
+    its ``bbox`` when there is one, which would put masks in the wrong APs/APm/APl range."""
+    other = "segmentation" if iou_type == "bbox" else "bbox"
+    return [{k: v for k, v in d.items() if k != other} for d in results]
+
+
+def _check_rle(segmentation: Any, image: dict[str, Any], where: str) -> None:
+    if not isinstance(segmentation, dict) or not {"size", "counts"} <= segmentation.keys():
+        raise DataError(f"{where} has a segmentation that is not an RLE dict with size and counts: "
+                        f"{str(segmentation)[:80]}")
+    if list(segmentation["size"]) != [image["height"], image["width"]]:
+        raise DataError(f"{where} has a mask of size {list(segmentation['size'])} (height, width) but image "
+                        f"{image['id']} is {image['height']}x{image['width']}. Was the file made on another dataset?")
+
+
+def _evaluate(dataset: Any, results: list[dict[str, Any]], image_ids: Iterable[int], iou_type: str) -> dict[str, float]:
     class_names = list(dataset.class_names)
     if not results:
-        logger.warning(f"No detections at all on dataset '{getattr(dataset, 'name', '?')}': every AP is 0.")
+        logger.warning(f"No detections at all on dataset '{getattr(dataset, 'name', '?')}': every {iou_type} AP is 0.")
         return {**{m: 0.0 for m in BOX_METRICS}, **{f"AP-{n}": 0.0 for n in class_names}}
     coco_gt = dataset.coco
     with contextlib.redirect_stdout(io.StringIO()):
         coco_dt = coco_gt.loadRes(copy.deepcopy(results))  # loadRes adds fields to the dicts it gets
-        coco_eval = COCOeval(coco_gt, coco_dt, "bbox")
+        coco_eval = COCOeval(coco_gt, coco_dt, iou_type)
         coco_eval.params.imgIds = list(image_ids)
         coco_eval.evaluate()
         coco_eval.accumulate()
     summary = io.StringIO()
     with contextlib.redirect_stdout(summary):
         coco_eval.summarize()
-    logger.info(f"COCOeval bbox summary on '{getattr(dataset, 'name', '?')}':\n{summary.getvalue().rstrip()}")
+    logger.info(f"COCOeval {iou_type} summary on '{getattr(dataset, 'name', '?')}':\n{summary.getvalue().rstrip()}")
     metrics = {m: _percent(v) for m, v in zip(BOX_METRICS, coco_eval.stats[:6])}
     metrics.update(_per_category_ap(coco_eval, dataset))
-    _log_tables(metrics, class_names)
+    _log_tables(metrics, class_names, iou_type)
     return metrics
 
 
@@ -204,15 +259,15 @@ def _per_category_ap(coco_eval: COCOeval, dataset: Any) -> dict[str, float]:
     return result
 
 
-def _log_tables(metrics: dict[str, float], class_names: list[str]) -> None:
-    logger.info("Evaluation results for bbox (AP in %):\n" + format_table(
+def _log_tables(metrics: dict[str, float], class_names: list[str], iou_type: str) -> None:
+    logger.info(f"Evaluation results for {iou_type} (AP in %):\n" + format_table(
         BOX_METRICS, [[f"{metrics[m]:.3f}" for m in BOX_METRICS]]
     ))
     cells = [(n, f"{metrics[f'AP-{n}']:.3f}") for n in class_names]
     per_row = 3
     cells += [("", "")] * (-len(cells) % per_row)
     rows = [sum((list(c) for c in cells[i:i + per_row]), []) for i in range(0, len(cells), per_row)]
-    logger.info("Per-category bbox AP:\n" + format_table(["category", "AP"] * per_row, rows))
+    logger.info(f"Per-category {iou_type} AP:\n" + format_table(["category", "AP"] * per_row, rows))
 
 
 def _percent(value: float) -> float:

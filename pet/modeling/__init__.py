@@ -10,6 +10,7 @@ from fvcore.common.config import CfgNode
 
 from pet.modeling.backbone import build_backbone
 from pet.modeling.faster_rcnn import FasterRCNN
+from pet.modeling.mask_rcnn import MaskRCNN
 from pet.modeling.registry import BACKBONE_REGISTRY, META_ARCH_REGISTRY, ROI_BOX_HEAD_REGISTRY
 from pet.modeling.weights import convert_state_dict
 
@@ -21,6 +22,7 @@ __all__ = [
     "build_backbone",
     "convert_state_dict",
     "FasterRCNN",
+    "MaskRCNN",
 ]
 
 

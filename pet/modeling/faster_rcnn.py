@@ -36,13 +36,17 @@ class FasterRCNN(torch.nn.Module):
     ``{"boxes", "scores", "labels"}`` with boxes in original-image pixels.
     """
 
+    # Whether the RoI heads get torchvision's mask branch and learn from target["masks"] (MaskRCNN).
+    mask_on: bool = False
+
     def __init__(self, cfg: CfgNode) -> None:
         super().__init__()
         self.normalizer = Normalizer(cfg)
         self.backbone = build_backbone(cfg)
         channels = self.backbone.out_channels
         self.rpn = build_rpn(cfg, channels, num_fpn_levels(cfg))
-        self.roi_heads = build_roi_heads(cfg, channels, [str(i) for i in range(len(cfg.MODEL.FPN.RETURNED_LAYERS))])
+        featmap_names = [str(i) for i in range(len(cfg.MODEL.FPN.RETURNED_LAYERS))]
+        self.roi_heads = build_roi_heads(cfg, channels, featmap_names, mask=self.mask_on)
         if cfg.MODEL.CHANNELS_LAST:
             self.to(memory_format=torch.channels_last)
 
@@ -54,7 +58,8 @@ class FasterRCNN(torch.nn.Module):
     ) -> dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]:
         sizes = image_sizes(targets)
         x = self.normalizer(images, sizes)
-        gt = [{"boxes": t["boxes"], "labels": t["labels"]} for t in targets] if self.training else None
+        fields = ("boxes", "labels", "masks") if self.mask_on else ("boxes", "labels")
+        gt = [{k: t[k] for k in fields} for t in targets] if self.training else None
         with timed("backbone"):
             features = self.backbone(x)
         with timed("rpn"):

@@ -1,21 +1,26 @@
-"""RoI heads from ``MODEL.ROI_HEADS`` / ``MODEL.ROI_BOX_HEAD``: torchvision's RoIHeads with a
-box head chosen from ``ROI_BOX_HEAD_REGISTRY``.
+"""RoI heads from ``MODEL.ROI_HEADS`` / ``MODEL.ROI_BOX_HEAD`` (and ``MODEL.ROI_MASK_HEAD`` for
+Mask R-CNN): torchvision's RoIHeads with a box head chosen from ``ROI_BOX_HEAD_REGISTRY``.
 
 A new box head is a class registered there whose ``__init__(cfg, in_channels)`` builds it
 and whose forward maps pooled features ``[R, in_channels, S, S]`` to
 ``[R, MODEL.ROI_BOX_HEAD.MLP_DIM]``; name it in YAML with ``MODEL.ROI_BOX_HEAD.NAME``.
+
+The mask branch is torchvision's too (``mask_roi_pool``, ``mask_head``, ``mask_predictor``):
+RoIHeads runs it, computes ``loss_mask`` in training and adds per-class-selected mask
+probabilities ``[N, 1, M, M]`` to each image's detections in eval mode.
 """
 from __future__ import annotations
 
 import torch
 from fvcore.common.config import CfgNode
 from torchvision.models.detection import faster_rcnn as tv_frcnn
+from torchvision.models.detection import mask_rcnn as tv_mrcnn
 from torchvision.models.detection.roi_heads import RoIHeads
 from torchvision.ops import MultiScaleRoIAlign
 
 from pet.modeling.registry import ROI_BOX_HEAD_REGISTRY
 
-__all__ = ["TwoMLPHead", "FastRCNNPredictor", "build_roi_heads"]
+__all__ = ["TwoMLPHead", "FastRCNNPredictor", "MaskRCNNPredictor", "build_roi_heads"]
 
 
 @ROI_BOX_HEAD_REGISTRY.register()
@@ -39,8 +44,36 @@ class FastRCNNPredictor(tv_frcnn.FastRCNNPredictor):
         return scores.float(), deltas.float()
 
 
-def build_roi_heads(cfg: CfgNode, in_channels: int, featmap_names: list[str]) -> RoIHeads:
-    """Box RoI heads pooling from the feature maps ``featmap_names`` (``in_channels`` each)."""
+class MaskRCNNPredictor(tv_mrcnn.MaskRCNNPredictor):
+    """torchvision's 2x up-sampling deconvolution and per-class mask logits, with float32 outputs.
+
+    Under bfloat16 autocast the logits would otherwise reach the sigmoid, the bilinear pasting
+    and the 0.5 threshold in bfloat16, which moves mask borders by whole pixels.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).float()
+
+
+def build_mask_branch(cfg: CfgNode, in_channels: int, featmap_names: list[str]) -> dict[str, torch.nn.Module]:
+    """``mask_roi_pool``, ``mask_head`` and ``mask_predictor`` for torchvision's RoIHeads.
+
+    With ``MODEL.ROI_MASK_HEAD``'s defaults these are exactly ``maskrcnn_resnet50_fpn``'s: 14x14
+    RoIAlign, four 3x3 convolutions of 256 channels, a 2x deconvolution and 28x28 logits per class.
+    """
+    mask = cfg.MODEL.ROI_MASK_HEAD
+    dims = [mask.CONV_DIM] * mask.NUM_CONV
+    return {
+        "mask_roi_pool": MultiScaleRoIAlign(featmap_names, mask.POOLER_RESOLUTION, mask.POOLER_SAMPLING_RATIO),
+        "mask_head": tv_mrcnn.MaskRCNNHeads(in_channels, dims, dilation=1),
+        "mask_predictor": MaskRCNNPredictor(dims[-1] if dims else in_channels, mask.CONV_DIM,
+                                            cfg.MODEL.NUM_CLASSES + 1),
+    }
+
+
+def build_roi_heads(cfg: CfgNode, in_channels: int, featmap_names: list[str], *, mask: bool = False) -> RoIHeads:
+    """RoI heads pooling from the feature maps ``featmap_names`` (``in_channels`` each); with
+    ``mask`` they also have the mask branch of :func:`build_mask_branch`."""
     heads, box = cfg.MODEL.ROI_HEADS, cfg.MODEL.ROI_BOX_HEAD
     return RoIHeads(
         MultiScaleRoIAlign(featmap_names, box.POOLER_RESOLUTION, box.POOLER_SAMPLING_RATIO),
@@ -54,4 +87,5 @@ def build_roi_heads(cfg: CfgNode, in_channels: int, featmap_names: list[str]) ->
         score_thresh=heads.SCORE_THRESH_TEST,
         nms_thresh=heads.NMS_THRESH_TEST,
         detections_per_img=heads.DETECTIONS_PER_IMAGE,
+        **(build_mask_branch(cfg, in_channels, featmap_names) if mask else {}),
     )
