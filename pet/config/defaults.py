@@ -61,7 +61,8 @@ _C.INPUT.SIZE_DIVISIBILITY = 32
 # Model
 # ---------------------------------------------------------------------------------------
 _C.MODEL = CN()
-# Registered name of the detector (see pet.modeling.META_ARCH_REGISTRY).
+# Registered name of the detector (see pet.modeling.META_ARCH_REGISTRY): FasterRCNN, MaskRCNN,
+# RetinaNet, FCOS or your own.
 _C.MODEL.META_ARCHITECTURE = "FasterRCNN"
 # Number of object classes, background excluded.
 _C.MODEL.NUM_CLASSES = 80
@@ -146,6 +147,38 @@ _C.MODEL.ROI_MASK_HEAD.CONV_DIM = 256
 # RoIAlign output size (masks are predicted at twice this) and samples per bin (0: adaptive).
 _C.MODEL.ROI_MASK_HEAD.POOLER_RESOLUTION = 14
 _C.MODEL.ROI_MASK_HEAD.POOLER_SAMPLING_RATIO = 2
+
+# RetinaNet (torchvision's retinanet_resnet50_fpn with these defaults); its FPN is P3-P7
+# (MODEL.FPN.RETURNED_LAYERS [2, 3, 4], TOP_BLOCK p6p7).
+_C.MODEL.RETINANET = CN()
+# Anchor sizes in input pixels, one list per FPN level (P3..P7), same length each: torchvision's
+# three scales per octave, x, x * 2^(1/3) and x * 2^(2/3) rounded down.
+_C.MODEL.RETINANET.ANCHOR_SIZES = [[32, 40, 50], [64, 80, 101], [128, 161, 203], [256, 322, 406], [512, 645, 812]]
+# Anchor aspect ratios (height / width), shared by every level.
+_C.MODEL.RETINANET.ASPECT_RATIOS = [0.5, 1.0, 2.0]
+# IoU with a ground-truth box above which an anchor is foreground / below which background (in between: ignored).
+_C.MODEL.RETINANET.FG_IOU_THRESH = 0.5
+_C.MODEL.RETINANET.BG_IOU_THRESH = 0.4
+# Test-time post-processing: minimum score, top-scoring candidates kept per level before NMS,
+# NMS IoU, detections kept per image.
+_C.MODEL.RETINANET.SCORE_THRESH_TEST = 0.05
+_C.MODEL.RETINANET.TOPK_CANDIDATES = 1000
+_C.MODEL.RETINANET.NMS_THRESH_TEST = 0.5
+_C.MODEL.RETINANET.DETECTIONS_PER_IMAGE = 300
+
+# FCOS (torchvision's fcos_resnet50_fpn with these defaults); its FPN is P3-P7 as RetinaNet's and each
+# level's points are as large as its stride.
+_C.MODEL.FCOS = CN()
+# 3x3 conv + GroupNorm + ReLU layers in each of the classification and box towers.
+_C.MODEL.FCOS.NUM_CONVS = 4
+# A point inside a box is a foreground candidate only within this many strides of the box centre.
+_C.MODEL.FCOS.CENTER_SAMPLING_RADIUS = 1.5
+# Test-time post-processing: minimum score (sqrt of class probability x centerness), top-scoring
+# candidates kept per level before NMS, NMS IoU, detections kept per image.
+_C.MODEL.FCOS.SCORE_THRESH_TEST = 0.2
+_C.MODEL.FCOS.TOPK_CANDIDATES = 1000
+_C.MODEL.FCOS.NMS_THRESH_TEST = 0.6
+_C.MODEL.FCOS.DETECTIONS_PER_IMAGE = 100
 
 # ---------------------------------------------------------------------------------------
 # Solver

@@ -10,8 +10,10 @@ from fvcore.common.config import CfgNode
 
 from pet.modeling.backbone import build_backbone
 from pet.modeling.faster_rcnn import FasterRCNN
+from pet.modeling.fcos import FCOS
 from pet.modeling.mask_rcnn import MaskRCNN
 from pet.modeling.registry import BACKBONE_REGISTRY, META_ARCH_REGISTRY, ROI_BOX_HEAD_REGISTRY
+from pet.modeling.retinanet import RetinaNet
 from pet.modeling.weights import convert_state_dict
 
 __all__ = [
@@ -23,6 +25,8 @@ __all__ = [
     "convert_state_dict",
     "FasterRCNN",
     "MaskRCNN",
+    "RetinaNet",
+    "FCOS",
 ]
 
 

@@ -18,7 +18,7 @@ from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, LastLevelMaxP
 from pet.modeling.registry import BACKBONE_REGISTRY
 from pet.utils.errors import ConfigError
 
-__all__ = ["build_backbone", "build_resnet", "freeze_stages", "resnet_fpn", "num_fpn_levels"]
+__all__ = ["build_backbone", "build_resnet", "freeze_stages", "resnet_fpn", "num_fpn_levels", "fpn_strides"]
 
 _RESNETS: dict[str, tuple[Callable[..., torchvision.models.ResNet], list[int]]] = {
     "resnet18": (torchvision.models.resnet18, [64, 128, 256, 512]),
@@ -83,6 +83,14 @@ def _top_block(kind: str, channels: int) -> ExtraFPNBlock:
 def num_fpn_levels(cfg: CfgNode) -> int:
     """How many feature maps the FPN returns (anchor sizes need one entry per level)."""
     return len(cfg.MODEL.FPN.RETURNED_LAYERS) + (1 if cfg.MODEL.FPN.TOP_BLOCK == "maxpool" else 2)
+
+
+def fpn_strides(cfg: CfgNode) -> list[int]:
+    """Input pixels per feature-map cell of each FPN level: 2**(k+1) for ResNet stage k
+    (layer1 = stride 4), then twice the previous one for each top-block level (FCOS sizes its points by them)."""
+    strides = [2 ** (layer + 1) for layer in cfg.MODEL.FPN.RETURNED_LAYERS]
+    extra = num_fpn_levels(cfg) - len(strides)
+    return strides + [strides[-1] * 2 ** (i + 1) for i in range(extra)]
 
 
 @BACKBONE_REGISTRY.register()

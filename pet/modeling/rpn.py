@@ -4,9 +4,8 @@ from __future__ import annotations
 import torch
 from fvcore.common.config import CfgNode
 from torchvision.models.detection import rpn as tv_rpn
-from torchvision.models.detection.anchor_utils import AnchorGenerator
 
-from pet.utils.errors import ConfigError
+from pet.modeling.anchors import build_anchor_generator
 
 __all__ = ["RPNHead", "build_rpn"]
 
@@ -26,15 +25,7 @@ class RPNHead(tv_rpn.RPNHead):
 def build_rpn(cfg: CfgNode, in_channels: int, num_levels: int) -> tv_rpn.RegionProposalNetwork:
     """The RPN over ``num_levels`` feature maps of ``in_channels`` channels each."""
     rpn = cfg.MODEL.RPN
-    if len(rpn.ANCHOR_SIZES) != num_levels:
-        raise ConfigError(
-            f"MODEL.RPN.ANCHOR_SIZES has {len(rpn.ANCHOR_SIZES)} entries but the backbone gives {num_levels} "
-            f"feature levels: give one list of sizes per level, e.g. {[[32 * 2**i] for i in range(num_levels)]}"
-        )
-    sizes = tuple(tuple(level) for level in rpn.ANCHOR_SIZES)
-    if len({len(level) for level in sizes}) != 1:
-        raise ConfigError(f"MODEL.RPN.ANCHOR_SIZES: every level needs the same number of sizes, got {sizes}")
-    anchors = AnchorGenerator(sizes, (tuple(rpn.ASPECT_RATIOS),) * num_levels)
+    anchors = build_anchor_generator(rpn.ANCHOR_SIZES, rpn.ASPECT_RATIOS, num_levels, "MODEL.RPN.ANCHOR_SIZES")
     return tv_rpn.RegionProposalNetwork(
         anchors,
         RPNHead(in_channels, anchors.num_anchors_per_location()[0]),

@@ -1,0 +1,70 @@
+"""FCOS: ResNet + FPN (P3-P7) -> one point per feature-map cell -> torchvision's FCOSHead.
+
+The parts are torchvision's, assembled from ``MODEL.FCOS`` under the module names of
+``torchvision.models.detection.fcos_resnet50_fpn`` (``backbone.body``, ``backbone.fpn``,
+``anchor_generator``, ``head.classification_head``, ``head.regression_head``), so its weights
+load as they are and, with the same input, give the same detections. Training uses
+torchvision's ``compute_loss`` (centre sampling, per-level size ranges, focal, GIoU and
+centerness losses), testing its ``postprocess_detections``.
+"""
+from __future__ import annotations
+
+import torch
+from fvcore.common.config import CfgNode
+from torchvision.models.detection import fcos as tv_fcos
+from torchvision.models.detection.anchor_utils import AnchorGenerator
+
+from pet.modeling.backbone import build_backbone, fpn_strides
+from pet.modeling.one_stage import OneStageDetector
+from pet.modeling.preprocess import Normalizer
+from pet.modeling.registry import META_ARCH_REGISTRY
+from pet.modeling.weights import convert_state_dict
+
+__all__ = ["FCOS"]
+
+
+@META_ARCH_REGISTRY.register()
+class FCOS(OneStageDetector, tv_fcos.FCOS):
+    """One-stage anchor-free detector following Pet's batch contract (see FasterRCNN).
+
+    Training mode returns the losses ``classification``, ``bbox_regression`` and
+    ``bbox_ctrness``; eval mode returns per-image ``{"boxes", "scores", "labels"}`` with boxes
+    in original-image pixels.
+    """
+
+    def __init__(self, cfg: CfgNode) -> None:
+        fcos = cfg.MODEL.FCOS
+        backbone = build_backbone(cfg)
+        # One square "anchor" per cell as large as its level's stride (torchvision's 8..128 on P3-P7):
+        # compute_loss gives each box to the level whose 4x-8x stride range holds its regression distances.
+        strides = fpn_strides(cfg)
+        anchors = AnchorGenerator(tuple((s,) for s in strides), ((1.0,),) * len(strides))
+        num_classes = cfg.MODEL.NUM_CLASSES + 1  # like torchvision's COCO model, see one_stage._without_background
+        super().__init__(
+            backbone,
+            num_classes,
+            anchor_generator=anchors,
+            head=tv_fcos.FCOSHead(backbone.out_channels, 1, num_classes, num_convs=fcos.NUM_CONVS),
+            center_sampling_radius=fcos.CENTER_SAMPLING_RADIUS,
+            score_thresh=fcos.SCORE_THRESH_TEST,
+            nms_thresh=fcos.NMS_THRESH_TEST,
+            detections_per_img=fcos.DETECTIONS_PER_IMAGE,
+            topk_candidates=fcos.TOPK_CANDIDATES,
+        )
+        del self.transform  # resizing is the data loader's job, normalising the Normalizer's
+        self.normalizer = Normalizer(cfg)
+        if cfg.MODEL.CHANNELS_LAST:
+            self.to(memory_format=torch.channels_last)
+
+    # Used by the weight loaders to rename torchvision classification weights.
+    convert_state_dict = staticmethod(convert_state_dict)
+
+    def losses(
+        self,
+        targets: list[dict[str, torch.Tensor]],
+        head_outputs: dict[str, torch.Tensor],
+        anchors: list[torch.Tensor],
+        num_anchors_per_level: list[int],
+    ) -> dict[str, torch.Tensor]:
+        """torchvision's: points matched to boxes by centre sampling and the per-level size ranges."""
+        return self.compute_loss(targets, head_outputs, anchors, num_anchors_per_level)

@@ -1,0 +1,93 @@
+"""The forward pass shared by Pet's one-stage detectors (RetinaNet, FCOS).
+
+They subclass torchvision's ``RetinaNet`` / ``FCOS`` for its parts and for its loss and
+post-processing methods (``compute_loss``, ``postprocess_detections``); only ``forward``
+is replaced, by Pet's batch contract: the data loader has already resized and padded the
+images, the model normalises them (:class:`~pet.modeling.preprocess.Normalizer`) and maps
+its detections back to the original images
+(:func:`~pet.modeling.postprocess.detections_to_original`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torchvision.models.detection.anchor_utils import AnchorGenerator
+from torchvision.models.detection.image_list import ImageList
+
+from pet.modeling.postprocess import detections_to_original
+from pet.modeling.preprocess import Normalizer, image_sizes
+from pet.utils.timers import timed
+
+__all__ = ["OneStageDetector"]
+
+
+class OneStageDetector:
+    """Mixin listed before torchvision's detector class: ``forward(images, targets)`` in Pet's
+    batch contract (see :class:`pet.modeling.FasterRCNN`) on top of torchvision's methods.
+
+    Subclasses set ``normalizer`` and define :meth:`losses`; torchvision's ``__init__`` sets
+    ``backbone``, ``anchor_generator`` and ``head``. The test-time timers are ``backbone``,
+    ``head`` (the head's convolutions and the anchors they refer to) and ``postprocess``.
+    """
+
+    normalizer: Normalizer
+    backbone: torch.nn.Module
+    anchor_generator: AnchorGenerator
+    head: torch.nn.Module
+    training: bool
+
+    def losses(
+        self,
+        targets: list[dict[str, torch.Tensor]],
+        head_outputs: dict[str, torch.Tensor],
+        anchors: list[torch.Tensor],
+        num_anchors_per_level: list[int],
+    ) -> dict[str, torch.Tensor]:
+        """The training losses, from torchvision's ``compute_loss``."""
+        raise NotImplementedError
+
+    def forward(
+        self, images: torch.Tensor, targets: list[dict[str, Any]]
+    ) -> dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]:
+        sizes = image_sizes(targets)
+        x = self.normalizer(images, sizes)
+        with timed("backbone"):
+            features = list(self.backbone(x).values())
+        with timed("head"):
+            # float32, as Pet's RPN and box predictor: under bfloat16 autocast the box deltas would be
+            # decoded (and the focal loss summed) in bfloat16, putting boxes on a whole-pixel grid.
+            head_outputs = {name: out.float() for name, out in self.head(features).items()}
+            anchors = self.anchor_generator(ImageList(x, sizes), [_float32_shape_of(f) for f in features])
+        per_location = self.anchor_generator.num_anchors_per_location()
+        num_anchors_per_level = [f.shape[-2] * f.shape[-1] * a for f, a in zip(features, per_location)]
+        if self.training:
+            gt = [{"boxes": t["boxes"], "labels": t["labels"]} for t in targets]
+            return self.losses(gt, head_outputs, anchors, num_anchors_per_level)
+        with timed("postprocess"):
+            split_outputs = {name: list(out.split(num_anchors_per_level, dim=1)) for name, out in head_outputs.items()}
+            split_anchors = [list(a.split(num_anchors_per_level)) for a in anchors]
+            detections = self.postprocess_detections(split_outputs, split_anchors, sizes)  # type: ignore[attr-defined]
+            return detections_to_original([_without_background(d) for d in detections], targets)
+
+
+def _float32_shape_of(feature: torch.Tensor) -> torch.Tensor:
+    """An empty float32 tensor with ``feature``'s height and width.
+
+    AnchorGenerator takes the anchors' dtype from the feature maps; given bfloat16 maps (autocast)
+    it would round anchor corners, and so every decoded box, to 2 px at 256-511 px.
+    """
+    return feature.new_empty((0, 0, *feature.shape[-2:]), dtype=torch.float32)
+
+
+def _without_background(detections: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``detections`` without label 0.
+
+    torchvision's one-stage heads have ``NUM_CLASSES + 1`` sigmoid outputs, as its COCO models
+    (91, the first for COCO's unused category 0), so that its weights load; output 0 is never a
+    training positive, so trained models hardly ever score it, and COCO evaluation ignores it.
+    Pet's labels are 1..NUM_CLASSES. Dropping after torchvision's top-k, NMS and per-image cap
+    (rather than masking the output before) keeps the other detections exactly torchvision's.
+    """
+    keep = detections["labels"] > 0
+    return {name: value[keep] for name, value in detections.items()}

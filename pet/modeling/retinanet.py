@@ -1,0 +1,68 @@
+"""RetinaNet: ResNet + FPN (P3-P7) -> anchors on every level -> torchvision's RetinaNetHead.
+
+The parts are torchvision's, assembled from ``MODEL.RETINANET`` under the module names of
+``torchvision.models.detection.retinanet_resnet50_fpn`` (``backbone.body``, ``backbone.fpn``,
+``anchor_generator``, ``head.classification_head``, ``head.regression_head``), so its weights
+load as they are and, with the same input, give the same detections. Training uses
+torchvision's ``compute_loss`` (IoU matching, sigmoid focal loss, L1 box loss), testing its
+``postprocess_detections`` (per-level top-k, class-wise NMS).
+"""
+from __future__ import annotations
+
+import torch
+from fvcore.common.config import CfgNode
+from torchvision.models.detection import retinanet as tv_retinanet
+
+from pet.modeling.anchors import build_anchor_generator
+from pet.modeling.backbone import build_backbone, num_fpn_levels
+from pet.modeling.one_stage import OneStageDetector
+from pet.modeling.preprocess import Normalizer
+from pet.modeling.registry import META_ARCH_REGISTRY
+from pet.modeling.weights import convert_state_dict
+
+__all__ = ["RetinaNet"]
+
+
+@META_ARCH_REGISTRY.register()
+class RetinaNet(OneStageDetector, tv_retinanet.RetinaNet):
+    """One-stage anchor-based detector following Pet's batch contract (see FasterRCNN).
+
+    Training mode returns the losses ``classification`` and ``bbox_regression``; eval mode
+    returns per-image ``{"boxes", "scores", "labels"}`` with boxes in original-image pixels.
+    """
+
+    def __init__(self, cfg: CfgNode) -> None:
+        retina = cfg.MODEL.RETINANET
+        backbone = build_backbone(cfg)
+        anchors = build_anchor_generator(retina.ANCHOR_SIZES, retina.ASPECT_RATIOS, num_fpn_levels(cfg),
+                                         "MODEL.RETINANET.ANCHOR_SIZES")
+        # torchvision builds the head (RetinaNetHead for backbone.out_channels and these anchors);
+        # NUM_CLASSES + 1 outputs like its COCO model, see pet.modeling.one_stage._without_background.
+        super().__init__(
+            backbone,
+            cfg.MODEL.NUM_CLASSES + 1,
+            anchor_generator=anchors,
+            score_thresh=retina.SCORE_THRESH_TEST,
+            nms_thresh=retina.NMS_THRESH_TEST,
+            detections_per_img=retina.DETECTIONS_PER_IMAGE,
+            fg_iou_thresh=retina.FG_IOU_THRESH,
+            bg_iou_thresh=retina.BG_IOU_THRESH,
+            topk_candidates=retina.TOPK_CANDIDATES,
+        )
+        del self.transform  # resizing is the data loader's job, normalising the Normalizer's
+        self.normalizer = Normalizer(cfg)
+        if cfg.MODEL.CHANNELS_LAST:
+            self.to(memory_format=torch.channels_last)
+
+    # Used by the weight loaders to rename torchvision classification weights.
+    convert_state_dict = staticmethod(convert_state_dict)
+
+    def losses(
+        self,
+        targets: list[dict[str, torch.Tensor]],
+        head_outputs: dict[str, torch.Tensor],
+        anchors: list[torch.Tensor],
+        num_anchors_per_level: list[int],
+    ) -> dict[str, torch.Tensor]:
+        """torchvision's: anchors matched to boxes by IoU (``FG_IOU_THRESH`` / ``BG_IOU_THRESH``)."""
+        return self.compute_loss(targets, head_outputs, anchors)

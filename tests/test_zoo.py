@@ -1,0 +1,173 @@
+"""RetinaNet and FCOS: torchvision parity, parameter counts, losses, eval outputs in Pet's batch contract."""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import NamedTuple
+
+import pytest
+import torch
+import torchvision
+from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
+from torchvision.ops.feature_pyramid_network import LastLevelP6P7
+
+from pet.config import load_cfg
+from pet.modeling import build_model
+from pet.utils.errors import ConfigError
+from pet.utils.weights import load_weights
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Zoo(NamedTuple):
+    torchvision_builder: Callable[..., torch.nn.Module]
+    cfg_node: str  # Pet's config section of the head
+    num_params: int  # of torchvision's COCO weights (their meta["num_params"])
+    losses: set[str]
+
+
+# Keyed by config file name prefix: cfgs/coco/<name>_R-50-FPN_1x.yaml, cfgs/shapes/<name>_R-18-FPN.yaml.
+MODELS = {
+    "retinanet": Zoo(torchvision.models.detection.retinanet_resnet50_fpn, "MODEL.RETINANET", 34_014_999,
+                     {"classification", "bbox_regression"}),
+    "fcos": Zoo(torchvision.models.detection.fcos_resnet50_fpn, "MODEL.FCOS", 32_269_600,
+                {"classification", "bbox_regression", "bbox_ctrness"}),
+}
+TV_MODULES = {"backbone.body", "backbone.fpn", "anchor_generator", "head.classification_head", "head.regression_head"}
+
+
+def _coco_cfg(name: str, *opts: str):
+    return load_cfg(os.path.join(ROOT, "cfgs", "coco", f"{name}_R-50-FPN_1x.yaml"), ["MODEL.NUM_CLASSES", "90", *opts])
+
+
+def _demo_cfg(name: str, *opts: str):
+    return load_cfg(os.path.join(ROOT, "cfgs", "shapes", f"{name}_R-18-FPN.yaml"), list(opts))
+
+
+def _without_label_0(detections: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    keep = detections["labels"] > 0
+    return {k: v[keep] for k, v in detections.items()}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_detections_match_torchvision_for_the_same_weights(name, tmp_path):
+    """torchvision's state_dict loads as is through Pet's weight loader and gives the same boxes, scores and
+    labels, including for an image resized from a larger original. Pet drops torchvision's label 0 (COCO's
+    unused category, which COCO evaluation ignores); the reference's label-0 detections are dropped to compare."""
+    torch.manual_seed(0)
+    reference = MODELS[name].torchvision_builder(weights=None, weights_backbone=None, num_classes=91, min_size=256,
+                                                 score_thresh=0.0).eval()
+    path = tmp_path / f"{name}.pth"
+    torch.save(reference.state_dict(), path)
+    # torchvision's memory format too: channels-last convolutions sum in another order
+    model = build_model(_coco_cfg(name, f"{MODELS[name].cfg_node}.SCORE_THRESH_TEST", "0.0",
+                                  "MODEL.CHANNELS_LAST", "False"))
+    assert load_weights(model, str(path)) == {"missing": [], "unexpected": [], "mismatched": []}
+    model.eval()
+
+    gen = torch.Generator().manual_seed(1)
+    sizes, originals = [(256, 352), (256, 256)], [(384, 528), (256, 256)]  # image 0 stands for a 1.5x larger one
+    images = [torch.randint(0, 256, (3, h, w), generator=gen, dtype=torch.uint8) for h, w in sizes]
+    batch = torch.zeros(2, 3, 256, 352, dtype=torch.uint8)
+    for i, image in enumerate(images):
+        batch[i, :, :, : image.shape[2]] = image
+    targets = [{"image_size": s, "orig_size": o} for s, o in zip(sizes, originals)]
+    with torch.no_grad():
+        # 256 short side: torchvision does not resize, so its boxes are in the 256-px frame; its
+        # postprocess then scales them to the larger original exactly as for a resized image
+        expected = reference.transform.postprocess(reference([im.float() / 255 for im in images]), sizes, originals)
+        outputs = model(batch, targets)
+
+    for ours, theirs in zip(outputs, expected):
+        theirs = _without_label_0(theirs)
+        assert len(ours["boxes"]) == len(theirs["boxes"]) > 0
+        assert torch.equal(ours["labels"], theirs["labels"])
+        assert (ours["boxes"] - theirs["boxes"]).abs().max() <= 1e-4
+        assert (ours["scores"] - theirs["scores"]).abs().max() <= 1e-4
+    assert outputs[0]["boxes"][:, 2].max() > 352 or outputs[0]["boxes"][:, 3].max() > 256  # in the 384x528 original
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_coco_config_has_torchvisions_parameter_count_module_names_and_frozen_stages(name):
+    model = build_model(_coco_cfg(name))
+    assert sum(p.numel() for p in model.parameters()) == MODELS[name].num_params
+    assert TV_MODULES <= {n for n, _ in model.named_modules()}
+    # what torchvision's builder trains when given weights: trainable_backbone_layers=3 on P3-P7
+    reference = resnet_fpn_backbone(backbone_name="resnet50", weights=None, trainable_layers=3,
+                                    returned_layers=[2, 3, 4], extra_blocks=LastLevelP6P7(256, 256))
+    expected = {f"backbone.{n}" for n, p in reference.named_parameters() if p.requires_grad}
+    assert {n for n, p in model.backbone.named_parameters(prefix="backbone") if p.requires_grad} == expected
+
+
+def test_fcos_points_are_sized_by_their_levels_stride():
+    """FCOS's losses assign boxes to levels by multiples of these sizes: they must be P3-P7's strides."""
+    model = build_model(_coco_cfg("fcos"))
+    assert model.anchor_generator.sizes == ((8,), (16,), (32,), (64,), (128,))
+
+
+def _batch():
+    """Two padded uint8 images (image 0 resized 2x down from 192x256) with boxes and labels."""
+    gen = torch.Generator().manual_seed(0)
+    images = torch.zeros(2, 3, 128, 128, dtype=torch.uint8)
+    targets = []
+    for i, ((h, w), orig) in enumerate([((96, 128), (192, 256)), ((80, 100), (80, 100))]):
+        images[i, :, :h, :w] = torch.randint(0, 255, (3, h, w), generator=gen, dtype=torch.uint8)
+        targets.append({"image_id": i + 1, "image_size": (h, w), "orig_size": orig,
+                        "boxes": torch.tensor([[10.0, 12.0, 50.0, 60.0], [30.0, 5.0, 44.0, 19.0]]),
+                        "labels": torch.tensor([1, 3])})
+    return images, targets
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_training_losses_are_finite_float32_under_autocast_and_train_every_parameter(name):
+    torch.manual_seed(0)
+    model = build_model(_demo_cfg(name))
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as the demo trains
+        losses = model(*_batch())
+    assert set(losses) == MODELS[name].losses
+    assert all(v.dim() == 0 and torch.isfinite(v) and v.dtype == torch.float32 for v in losses.values())
+    sum(losses.values()).backward()
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(p.grad is not None and p.grad.abs().sum() > 0 for _, p in trainable)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_eval_detections_are_in_the_original_image_and_never_label_0(name):
+    torch.manual_seed(0)
+    detections = 1000  # room for more than the label-0 detections, which are dropped after the per-image cap
+    key = MODELS[name].cfg_node
+    model = build_model(_demo_cfg(name, f"{key}.SCORE_THRESH_TEST", "0.0",
+                                  f"{key}.DETECTIONS_PER_IMAGE", str(detections)))
+    # make torchvision's extra output (COCO's unused category 0) the most confident for every anchor
+    head = model.head.classification_head
+    with torch.no_grad():
+        head.cls_logits.bias.view(-1, head.num_classes)[:, 0] = 10.0
+    model.eval()
+    images, targets = _batch()
+    with torch.no_grad():
+        outputs = model(images, targets)
+    for out, target in zip(outputs, targets):
+        assert set(out) == {"boxes", "scores", "labels"} and len(out["boxes"]) > 0
+        assert out["boxes"].dtype == torch.float32 and out["labels"].dtype == torch.int64
+        assert 1 <= out["labels"].min() and out["labels"].max() <= 3
+        orig_h, orig_w = target["orig_size"]
+        assert out["boxes"].min() >= 0 and out["boxes"][:, 2].max() <= orig_w and out["boxes"][:, 3].max() <= orig_h
+        assert torch.all(out["scores"][:-1] >= out["scores"][1:])
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_anchors_and_boxes_stay_float32_under_bfloat16_autocast(name):
+    """bfloat16 anchors would put every decoded box on a 1-2 px grid at 128-511 px."""
+    model = build_model(_demo_cfg(name)).eval()
+    dtypes = []
+    model.anchor_generator.register_forward_hook(lambda module, args, anchors: dtypes.extend(a.dtype for a in anchors))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        outputs = model(*_batch())
+    assert dtypes == [torch.float32] * 2
+    assert all(out["boxes"].dtype == out["scores"].dtype == torch.float32 for out in outputs)
+
+
+def test_retinanet_anchor_levels_must_match_the_fpn():
+    with pytest.raises(ConfigError, match=r"MODEL.RETINANET.ANCHOR_SIZES has 2 entries.*5 feature levels"):
+        build_model(_demo_cfg("retinanet", "MODEL.RETINANET.ANCHOR_SIZES", "[[16], [32]]"))
