@@ -1,7 +1,8 @@
 """Side-by-side benchmarks; each prints a table and writes JSON.
 
     python tools/benchmark.py engine [--iters 5000] [--repeats 3] [--out FILE]
-    python tools/benchmark.py model [--size 512] [--batch 2] [--iters 5] [--repeats 3] [--out FILE]
+    python tools/benchmark.py model [--arch faster_rcnn retinanet fcos mask_rcnn] [--size 512] [--batch 2]
+                                    [--threads 2] [--iters 3] [--repeats 3] [--out FILE]
     python tools/benchmark.py data [--workers 0 1] [--batches 40] [--repeats 5] [--out FILE]
 
 engine: per-iteration overhead of Pet's Trainer (default hooks and writers) over a
@@ -9,6 +10,10 @@ plain PyTorch loop on a trivial model (compute ~0; the same loader and SGD with 
 and weight decay everywhere), and MMEngine's Runner with its
 default hooks when mmengine is importable (it is not a Pet dependency: install it in
 the benchmark's own environment). Runs are interleaved and repeated; the median counts.
+
+model: Pet's R-50-FPN detectors against torchvision's (fasterrcnn/retinanet/fcos/maskrcnn_resnet50_fpn)
+holding the same random weights: seconds per training step (forward, backward) and milliseconds
+per image in inference at batch 1 and at --batch, on the same random images, interleaved.
 
 data: images/s of Pet's training loader as the demo config builds it (opencv decode of
 the shapes JPEGs, multi-scale shorter-side resize, flip, boxes, batching) against PIL
@@ -26,6 +31,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -165,63 +173,107 @@ def _time(fn, iters: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
-def model(args: argparse.Namespace) -> dict:
-    """Pet's Faster R-CNN R-50-FPN against torchvision's on the same weights, inputs and work."""
-    from torchvision.models.detection import FasterRCNN
-    from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
+# --arch name -> (Pet's config, torchvision's model class, returned ResNet stages, top FPN block).
+ARCHS = {
+    "faster_rcnn": ("faster_rcnn_R-50-FPN_1x.yaml", "FasterRCNN", [1, 2, 3, 4], "maxpool"),
+    "retinanet": ("retinanet_R-50-FPN_1x.yaml", "RetinaNet", [2, 3, 4], "p6p7"),
+    "fcos": ("fcos_R-50-FPN_1x.yaml", "FCOS", [2, 3, 4], "p6p7"),
+    "mask_rcnn": ("mask_rcnn_R-50-FPN_1x.yaml", "MaskRCNN", [1, 2, 3, 4], "maxpool"),
+}
+
+
+def _model_pair(arch: str, size: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Pet's model and torchvision's, holding the same random weights.
+
+    torchvision's ``*_resnet50_fpn`` builders use trainable BatchNorm and train every stage when
+    given no weights; the reference is assembled as they do with weights instead (FrozenBatchNorm,
+    stem and res2 frozen), which is what Pet's COCO configs train. 80 classes + 1 on both sides.
+    """
+    from torchvision.models import detection, resnet50
+    from torchvision.models.detection.backbone_utils import _resnet_fpn_extractor
     from torchvision.ops import FrozenBatchNorm2d
+    from torchvision.ops.feature_pyramid_network import LastLevelMaxPool, LastLevelP6P7
 
     from pet.config import load_cfg
     from pet.modeling import build_model
 
+    cfg_file, model_class, returned_layers, top_block = ARCHS[arch]
     torch.manual_seed(0)
-    size = args.size
-    reference = FasterRCNN(
-        resnet_fpn_backbone(backbone_name="resnet50", weights=None, norm_layer=FrozenBatchNorm2d, trainable_layers=3),
-        num_classes=81, min_size=size, max_size=size,
-    )
-    cfg = load_cfg(os.path.join("cfgs", "coco", "faster_rcnn_R-50-FPN_1x.yaml"), ["MODEL.NUM_CLASSES", "80"])
-    pet_model = build_model(cfg)
-    missing = pet_model.load_state_dict(reference.state_dict(), strict=False)
-    assert not missing.unexpected_keys, missing
-    images, targets = _random_scene(args.batch, size)
+    extra_blocks = LastLevelMaxPool() if top_block == "maxpool" else LastLevelP6P7(256, 256)
+    backbone = _resnet_fpn_extractor(resnet50(norm_layer=FrozenBatchNorm2d), 3, returned_layers, extra_blocks)
+    reference = getattr(detection, model_class)(backbone, num_classes=81, min_size=size, max_size=size)
+    pet_model = build_model(load_cfg(os.path.join("cfgs", "coco", cfg_file), []))
+    pet_model.load_state_dict(reference.state_dict(), strict=True)
+    return pet_model, reference
+
+
+def _with_masks(targets: list[dict], size: int) -> list[dict]:
+    """Box-shaped instance masks, for Mask R-CNN's training step."""
+    for t in targets:
+        masks = torch.zeros((len(t["boxes"]), size, size), dtype=torch.uint8)
+        for mask, box in zip(masks, t["boxes"].round().int().tolist()):
+            mask[box[1]:box[3], box[0]:box[2]] = 1
+        t["masks"] = masks
+    return targets
+
+
+def _train_step(m: torch.nn.Module, *inputs: Any) -> None:
+    m.train()
+    losses = m(*inputs)
+    m.zero_grad(set_to_none=True)
+    sum(losses.values()).backward()
+
+
+def _infer(m: torch.nn.Module, *inputs: Any) -> None:
+    m.eval()
+    with torch.inference_mode():
+        m(*inputs)
+
+
+def _arch_cases(arch: str, size: int, batch: int) -> dict[str, tuple[Callable, Callable, float]]:
+    """``case -> (Pet's step, torchvision's step, seconds-to-reported-unit factor)`` for one architecture."""
+    pet_model, reference = _model_pair(arch, size)
+    images, targets = _random_scene(batch, size)
+    if arch == "mask_rcnn":
+        targets = _with_masks(targets, size)
     tv_images = [im.float() / 255 for im in images]
-    tv_targets = [{"boxes": t["boxes"], "labels": t["labels"]} for t in targets]
-
-    def train_step(m, call):
-        m.train()
-        losses = call()
-        m.zero_grad(set_to_none=True)
-        sum(losses.values()).backward()
-
-    def infer(m, call):
-        m.eval()
-        with torch.inference_mode():
-            call()
-
-    cases = {
-        "train": (lambda: train_step(pet_model, lambda: pet_model(images, targets)),
-                  lambda: train_step(reference, lambda: reference(tv_images, tv_targets))),
-        "infer": (lambda: infer(pet_model, lambda: pet_model(images, targets)),
-                  lambda: infer(reference, lambda: reference(tv_images))),
+    tv_targets = [{k: t[k] for k in ("boxes", "labels", "masks") if k in t} for t in targets]
+    return {
+        f"train b{batch}": (partial(_train_step, pet_model, images, targets),
+                            partial(_train_step, reference, tv_images, tv_targets), 1.0),
+        "infer b1": (partial(_infer, pet_model, images[:1], targets[:1]),
+                     partial(_infer, reference, tv_images[:1]), 1000.0),
+        f"infer b{batch}": (partial(_infer, pet_model, images, targets),
+                            partial(_infer, reference, tv_images), 1000.0 / batch),
     }
-    result = {}
-    for name, (pet_fn, tv_fn) in cases.items():
-        samples = {"pet": [], "torchvision": []}
-        for _ in range(args.repeats):  # interleaved
-            samples["pet"].append(_time(pet_fn, args.iters))
-            samples["torchvision"].append(_time(tv_fn, args.iters))
-        med = {k: statistics.median(v) for k, v in samples.items()}
-        unit = 1.0 if name == "train" else 1000.0 / args.batch
-        result[name] = {"pet": med["pet"] * unit, "torchvision": med["torchvision"] * unit,
-                        "ratio": med["pet"] / med["torchvision"], "samples_s": samples}
-    print(f"Faster R-CNN R-50-FPN, {size}x{size}, batch {args.batch}, {torch.get_num_threads()} threads, "
-          f"fp32, median of {args.repeats} interleaved runs of {args.iters} iterations")
-    print(f"{'':<8} {'Pet':>10} {'torchvision':>12} {'Pet/tv':>8}")
-    print(f"{'train':<8} {result['train']['pet']:>8.3f} s {result['train']['torchvision']:>10.3f} s "
-          f"{result['train']['ratio']:>8.2f}")
-    print(f"{'infer':<8} {result['infer']['pet']:>7.1f} ms {result['infer']['torchvision']:>9.1f} ms "
-          f"{result['infer']['ratio']:>8.2f}   (per image)")
+
+
+def model(args: argparse.Namespace) -> dict:
+    """Pet's detectors against torchvision's on the same weights, inputs and work, interleaved.
+
+    torchvision's models take float images in [0, 1] and normalise (and resize, here by a factor
+    of 1) inside; Pet's take the loader's uint8 batch and normalise inside. Each side's timing
+    includes its own normalisation; Pet's resize, done by its data loader, is not timed.
+    """
+    torch.set_num_threads(args.threads)
+    result: dict = {"size": args.size, "batch": args.batch, "threads": args.threads, "archs": {}}
+    print(f"{args.size}x{args.size} random images with 4 boxes each, fp32, {args.threads} thread(s), median of "
+          f"{args.repeats} interleaved runs of {args.iters} iterations (train: s/iter; infer: ms/image)")
+    print(f"{'model':<12} {'case':<10} {'Pet':>10} {'torchvision':>12} {'Pet/tv':>8}")
+    for arch in args.arch:
+        result["archs"][arch] = {}
+        for case, (pet_fn, tv_fn, unit) in _arch_cases(arch, args.size, args.batch).items():
+            samples: dict[str, list[float]] = {"pet": [], "torchvision": []}
+            for _ in range(args.repeats):  # interleaved: machine noise hits both alike
+                samples["pet"].append(_time(pet_fn, args.iters))
+                samples["torchvision"].append(_time(tv_fn, args.iters))
+            med = {k: statistics.median(v) for k, v in samples.items()}
+            row = {"pet": med["pet"] * unit, "torchvision": med["torchvision"] * unit,
+                   "ratio": med["pet"] / med["torchvision"], "samples_s": samples}
+            result["archs"][arch][case] = row
+            unit_name = "s" if case.startswith("train") else "ms"
+            print(f"{arch:<12} {case:<10} {row['pet']:>8.3f} {unit_name:<2}{row['torchvision']:>9.3f} {unit_name:<2} "
+                  f"{row['ratio']:>7.2f}", flush=True)
     return result
 
 
@@ -334,9 +386,11 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=5000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="benchmarks/engine.json")
-    p = sub.add_parser("model", help="Faster R-CNN train step and inference against torchvision")
+    p = sub.add_parser("model", help="detectors' train step and inference against torchvision's")
+    p.add_argument("--arch", nargs="+", choices=sorted(ARCHS), default=["faster_rcnn", "retinanet", "fcos"])
     p.add_argument("--size", type=int, default=512)
-    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--batch", type=int, default=2, help="training batch and the second inference batch")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (the machine's cores by default)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="benchmarks/model.json")
