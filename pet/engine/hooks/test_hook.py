@@ -177,10 +177,11 @@ class TestHook:
 
     def log_summary(self) -> None:
         summary = self.speed_summary()
+        timers = {name: v for name, v in summary.items() if isinstance(v, dict)}
+        width = max(map(len, timers), default=0)
         rows = [
-            f"{name:>8}: mean {v['mean_ms']:8.2f} ms  p50 {v['p50_ms']:8.2f} ms  p90 {v['p90_ms']:8.2f} ms"
-            for name, v in summary.items()
-            if isinstance(v, dict)
+            f"{name:>{width}}: mean {v['mean_ms']:8.2f} ms  p50 {v['p50_ms']:8.2f} ms  p90 {v['p90_ms']:8.2f} ms"
+            for name, v in timers.items()
         ]
         logger.info(
             f"Inference speed per image ({summary['timed_iters']} timed iterations after "
