@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
+from conftest import random_padded_batch
 
 from pet.config import load_cfg
 from pet.data import generate_shapes, get_dataset, register_coco_dataset
@@ -47,12 +48,8 @@ def test_detections_and_masks_match_torchvision_for_the_same_weights(tmp_path):
     assert load_weights(model, str(path)) == {"missing": [], "unexpected": [], "mismatched": []}
     model.eval()
 
-    gen = torch.Generator().manual_seed(1)
     sizes, originals = [(320, 416), (320, 320)], [(480, 624), (320, 320)]  # image 0 stands for a 1.5x larger one
-    images = [torch.randint(0, 256, (3, h, w), generator=gen, dtype=torch.uint8) for h, w in sizes]
-    batch = torch.zeros(2, 3, 320, 416, dtype=torch.uint8)
-    for i, image in enumerate(images):
-        batch[i, :, :, : image.shape[2]] = image
+    images, batch = random_padded_batch(sizes)
     targets = [{"image_size": s, "orig_size": o} for s, o in zip(sizes, originals)]
     with torch.no_grad():
         # torchvision's GeneralizedRCNN.forward, step by step, to paste into the larger original size

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 import torchvision
+from conftest import random_padded_batch
 from torchvision.models.detection import FasterRCNN
 from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
 from torchvision.ops import FrozenBatchNorm2d
@@ -134,11 +135,7 @@ def test_detections_match_torchvision_for_the_same_weights(tmp_path):
     model = build_model(_coco_cfg("MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.0", "MODEL.CHANNELS_LAST", "False"))
     load_weights(model, str(path))
     model.eval()
-    gen = torch.Generator().manual_seed(1)
-    images = [torch.randint(0, 256, (3, 256, h_w), generator=gen, dtype=torch.uint8) for h_w in (320, 256)]
-    batch = torch.zeros(2, 3, 256, 320, dtype=torch.uint8)
-    for i, image in enumerate(images):
-        batch[i, :, :, : image.shape[2]] = image
+    images, batch = random_padded_batch([(256, 320), (256, 256)])
     targets = [{"image_size": tuple(im.shape[1:]), "orig_size": tuple(im.shape[1:])} for im in images]
     with torch.no_grad():
         expected = reference([im.float() / 255 for im in images])

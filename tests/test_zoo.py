@@ -8,6 +8,7 @@ from typing import NamedTuple
 import pytest
 import torch
 import torchvision
+from conftest import random_padded_batch
 from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
 from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 
@@ -65,12 +66,8 @@ def test_detections_match_torchvision_for_the_same_weights(name, tmp_path):
     assert load_weights(model, str(path)) == {"missing": [], "unexpected": [], "mismatched": []}
     model.eval()
 
-    gen = torch.Generator().manual_seed(1)
     sizes, originals = [(256, 352), (256, 256)], [(384, 528), (256, 256)]  # image 0 stands for a 1.5x larger one
-    images = [torch.randint(0, 256, (3, h, w), generator=gen, dtype=torch.uint8) for h, w in sizes]
-    batch = torch.zeros(2, 3, 256, 352, dtype=torch.uint8)
-    for i, image in enumerate(images):
-        batch[i, :, :, : image.shape[2]] = image
+    images, batch = random_padded_batch(sizes)
     targets = [{"image_size": s, "orig_size": o} for s, o in zip(sizes, originals)]
     with torch.no_grad():
         # 256 short side: torchvision does not resize, so its boxes are in the 256-px frame; its

@@ -16,9 +16,7 @@ from torchvision.models.detection.anchor_utils import AnchorGenerator
 
 from pet.modeling.backbone import build_backbone, fpn_strides
 from pet.modeling.one_stage import OneStageDetector
-from pet.modeling.preprocess import Normalizer
 from pet.modeling.registry import META_ARCH_REGISTRY
-from pet.modeling.weights import convert_state_dict
 
 __all__ = ["FCOS"]
 
@@ -51,13 +49,7 @@ class FCOS(OneStageDetector, tv_fcos.FCOS):
             detections_per_img=fcos.DETECTIONS_PER_IMAGE,
             topk_candidates=fcos.TOPK_CANDIDATES,
         )
-        del self.transform  # resizing is the data loader's job, normalising the Normalizer's
-        self.normalizer = Normalizer(cfg)
-        if cfg.MODEL.CHANNELS_LAST:
-            self.to(memory_format=torch.channels_last)
-
-    # Used by the weight loaders to rename torchvision classification weights.
-    convert_state_dict = staticmethod(convert_state_dict)
+        self.use_pet_inputs(cfg)
 
     def losses(
         self,

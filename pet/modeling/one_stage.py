@@ -12,11 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from fvcore.common.config import CfgNode
 from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.image_list import ImageList
 
 from pet.modeling.postprocess import detections_to_original
 from pet.modeling.preprocess import Normalizer, image_sizes
+from pet.modeling.weights import convert_state_dict
 from pet.utils.timers import timed
 
 __all__ = ["OneStageDetector"]
@@ -26,7 +28,7 @@ class OneStageDetector:
     """Mixin listed before torchvision's detector class: ``forward(images, targets)`` in Pet's
     batch contract (see :class:`pet.modeling.FasterRCNN`) on top of torchvision's methods.
 
-    Subclasses set ``normalizer`` and define :meth:`losses`; torchvision's ``__init__`` sets
+    Subclasses call :meth:`use_pet_inputs` and define :meth:`losses`; torchvision's ``__init__`` sets
     ``backbone``, ``anchor_generator`` and ``head``. The test-time timers are ``backbone``,
     ``head`` (the head's convolutions and the anchors they refer to) and ``postprocess``.
     """
@@ -36,6 +38,17 @@ class OneStageDetector:
     anchor_generator: AnchorGenerator
     head: torch.nn.Module
     training: bool
+
+    # Used by the weight loaders to rename torchvision classification weights.
+    convert_state_dict = staticmethod(convert_state_dict)
+
+    def use_pet_inputs(self, cfg: CfgNode) -> None:
+        """Called at the end of ``__init__``: torchvision's resizing transform goes (the data loader
+        resizes), the :class:`Normalizer` normalises, and the weights go channels-last when asked."""
+        del self.transform
+        self.normalizer = Normalizer(cfg)
+        if cfg.MODEL.CHANNELS_LAST:
+            self.to(memory_format=torch.channels_last)  # type: ignore[attr-defined]
 
     def losses(
         self,

@@ -16,9 +16,7 @@ from torchvision.models.detection import retinanet as tv_retinanet
 from pet.modeling.anchors import build_anchor_generator
 from pet.modeling.backbone import build_backbone, num_fpn_levels
 from pet.modeling.one_stage import OneStageDetector
-from pet.modeling.preprocess import Normalizer
 from pet.modeling.registry import META_ARCH_REGISTRY
-from pet.modeling.weights import convert_state_dict
 
 __all__ = ["RetinaNet"]
 
@@ -49,13 +47,7 @@ class RetinaNet(OneStageDetector, tv_retinanet.RetinaNet):
             bg_iou_thresh=retina.BG_IOU_THRESH,
             topk_candidates=retina.TOPK_CANDIDATES,
         )
-        del self.transform  # resizing is the data loader's job, normalising the Normalizer's
-        self.normalizer = Normalizer(cfg)
-        if cfg.MODEL.CHANNELS_LAST:
-            self.to(memory_format=torch.channels_last)
-
-    # Used by the weight loaders to rename torchvision classification weights.
-    convert_state_dict = staticmethod(convert_state_dict)
+        self.use_pet_inputs(cfg)
 
     def losses(
         self,
