@@ -116,6 +116,11 @@ def test_torchvision_detection_state_dict_loads_without_leftovers(tmp_path):
     assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
+def test_coco_config_has_torchvisions_parameter_count():
+    model = build_model(_coco_cfg())
+    assert sum(p.numel() for p in model.parameters()) == 41_755_286  # FasterRCNN_ResNet50_FPN_Weights' num_params
+
+
 def test_r50_config_freezes_what_torchvision_freezes():
     model = build_model(_coco_cfg())
     reference = resnet_fpn_backbone(backbone_name="resnet50", weights=None, trainable_layers=3)
