@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -17,19 +16,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_CFG = os.path.join(ROOT, "cfgs", "shapes", "faster_rcnn_R-18-FPN.yaml")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_tool(tool: str, *args: str, nproc: int = 1, check: bool = True) -> subprocess.CompletedProcess:
     """Run a tool in ``nproc`` processes (torchrun when > 1), one thread each; fail with its output."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     launcher = [sys.executable]
     if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-                     f"--master_port={_free_port()}"]
+        # --standalone: a local rendezvous on a port the OS picks, so parallel runs never collide
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     proc = subprocess.run([*launcher, os.path.join(ROOT, "tools", tool), *args], capture_output=True, text=True,
                           env=env, timeout=300)
     if check and proc.returncode != 0:

@@ -30,9 +30,9 @@ class Zoo(NamedTuple):
 # Keyed by config file name prefix: cfgs/coco/<name>_R-50-FPN_1x.yaml, cfgs/shapes/<name>_R-18-FPN.yaml.
 MODELS = {
     "retinanet": Zoo(torchvision.models.detection.retinanet_resnet50_fpn, "MODEL.RETINANET", 34_014_999,
-                     {"classification", "bbox_regression"}),
+                     {"loss_classification", "loss_bbox_regression"}),
     "fcos": Zoo(torchvision.models.detection.fcos_resnet50_fpn, "MODEL.FCOS", 32_269_600,
-                {"classification", "bbox_regression", "bbox_ctrness"}),
+                {"loss_classification", "loss_bbox_regression", "loss_bbox_ctrness"}),
 }
 TV_MODULES = {"backbone.body", "backbone.fpn", "anchor_generator", "head.classification_head", "head.regression_head"}
 
@@ -168,3 +168,14 @@ def test_anchors_and_boxes_stay_float32_under_bfloat16_autocast(name):
 def test_retinanet_anchor_levels_must_match_the_fpn():
     with pytest.raises(ConfigError, match=r"MODEL.RETINANET.ANCHOR_SIZES has 2 entries.*5 feature levels"):
         build_model(_demo_cfg("retinanet", "MODEL.RETINANET.ANCHOR_SIZES", "[[16], [32]]"))
+
+
+def test_retinanet_head_norm_is_torchvisions_v1_by_default_and_groupnorm_on_request():
+    """The COCO config keeps torchvision's plain head (weight parity); the demo normalises it to train from scratch."""
+    plain = build_model(_coco_cfg("retinanet"))
+    assert not any(isinstance(m, torch.nn.GroupNorm) for m in plain.head.modules())
+    demo = build_model(_demo_cfg("retinanet"))
+    norms = [m for m in demo.head.modules() if isinstance(m, torch.nn.GroupNorm)]
+    assert len(norms) == 8 and all(m.num_groups == 32 for m in norms)  # 4 classification + 4 regression convs
+    with pytest.raises(ConfigError, match="MODEL.RETINANET.HEAD_NORM must be '' or 'GN', got 'BN'"):
+        build_model(_demo_cfg("retinanet", "MODEL.RETINANET.HEAD_NORM", "BN"))

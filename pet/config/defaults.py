@@ -156,6 +156,10 @@ _C.MODEL.RETINANET = CN()
 _C.MODEL.RETINANET.ANCHOR_SIZES = [[32, 40, 50], [64, 80, 101], [128, 161, 203], [256, 322, 406], [512, 645, 812]]
 # Anchor aspect ratios (height / width), shared by every level.
 _C.MODEL.RETINANET.ASPECT_RATIOS = [0.5, 1.0, 2.0]
+# Normalisation in the head's 4+4 convolutions: "" (none: torchvision's retinanet_resnet50_fpn) or "GN"
+# (GroupNorm, 32 groups, as retinanet_resnet50_fpn_v2 and FCOS). Without it, the head's 0.01-std
+# initialisation shrinks the signal ~10x per layer, which only a pre-trained backbone's features outweigh.
+_C.MODEL.RETINANET.HEAD_NORM = ""
 # IoU with a ground-truth box above which an anchor is foreground / below which background (in between: ignored).
 _C.MODEL.RETINANET.FG_IOU_THRESH = 0.5
 _C.MODEL.RETINANET.BG_IOU_THRESH = 0.4

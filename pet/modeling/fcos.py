@@ -25,8 +25,8 @@ __all__ = ["FCOS"]
 class FCOS(OneStageDetector, tv_fcos.FCOS):
     """One-stage anchor-free detector following Pet's batch contract (see FasterRCNN).
 
-    Training mode returns the losses ``classification``, ``bbox_regression`` and
-    ``bbox_ctrness``; eval mode returns per-image ``{"boxes", "scores", "labels"}`` with boxes
+    Training mode returns the losses ``loss_classification``, ``loss_bbox_regression`` and
+    ``loss_bbox_ctrness``; eval mode returns per-image ``{"boxes", "scores", "labels"}`` with boxes
     in original-image pixels.
     """
 

@@ -76,7 +76,9 @@ class OneStageDetector:
         num_anchors_per_level = [f.shape[-2] * f.shape[-1] * a for f, a in zip(features, per_location)]
         if self.training:
             gt = [{"boxes": t["boxes"], "labels": t["labels"]} for t in targets]
-            return self.losses(gt, head_outputs, anchors, num_anchors_per_level)
+            # torchvision's names with Pet's "loss_" prefix, which writers and curves.png use to find the loss terms
+            losses = self.losses(gt, head_outputs, anchors, num_anchors_per_level)
+            return {f"loss_{name}": value for name, value in losses.items()}
         with timed("postprocess"):
             split_outputs = {name: list(out.split(num_anchors_per_level, dim=1)) for name, out in head_outputs.items()}
             split_anchors = [list(a.split(num_anchors_per_level)) for a in anchors]

@@ -9,6 +9,9 @@ torchvision's ``compute_loss`` (IoU matching, sigmoid focal loss, L1 box loss), 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 from fvcore.common.config import CfgNode
 from torchvision.models.detection import retinanet as tv_retinanet
@@ -17,6 +20,7 @@ from pet.modeling.anchors import build_anchor_generator
 from pet.modeling.backbone import build_backbone, num_fpn_levels
 from pet.modeling.one_stage import OneStageDetector
 from pet.modeling.registry import META_ARCH_REGISTRY
+from pet.utils.errors import ConfigError
 
 __all__ = ["RetinaNet"]
 
@@ -25,7 +29,7 @@ __all__ = ["RetinaNet"]
 class RetinaNet(OneStageDetector, tv_retinanet.RetinaNet):
     """One-stage anchor-based detector following Pet's batch contract (see FasterRCNN).
 
-    Training mode returns the losses ``classification`` and ``bbox_regression``; eval mode
+    Training mode returns the losses ``loss_classification`` and ``loss_bbox_regression``; eval mode
     returns per-image ``{"boxes", "scores", "labels"}`` with boxes in original-image pixels.
     """
 
@@ -34,12 +38,15 @@ class RetinaNet(OneStageDetector, tv_retinanet.RetinaNet):
         backbone = build_backbone(cfg)
         anchors = build_anchor_generator(retina.ANCHOR_SIZES, retina.ASPECT_RATIOS, num_fpn_levels(cfg),
                                          "MODEL.RETINANET.ANCHOR_SIZES")
-        # torchvision builds the head (RetinaNetHead for backbone.out_channels and these anchors);
-        # NUM_CLASSES + 1 outputs like its COCO model, see pet.modeling.one_stage._without_background.
+        # NUM_CLASSES + 1 outputs like torchvision's COCO model, see pet.modeling.one_stage._without_background.
+        num_classes = cfg.MODEL.NUM_CLASSES + 1
+        head = tv_retinanet.RetinaNetHead(backbone.out_channels, anchors.num_anchors_per_location()[0], num_classes,
+                                          norm_layer=_head_norm(retina.HEAD_NORM))
         super().__init__(
             backbone,
-            cfg.MODEL.NUM_CLASSES + 1,
+            num_classes,
             anchor_generator=anchors,
+            head=head,
             score_thresh=retina.SCORE_THRESH_TEST,
             nms_thresh=retina.NMS_THRESH_TEST,
             detections_per_img=retina.DETECTIONS_PER_IMAGE,
@@ -58,3 +65,12 @@ class RetinaNet(OneStageDetector, tv_retinanet.RetinaNet):
     ) -> dict[str, torch.Tensor]:
         """torchvision's: anchors matched to boxes by IoU (``FG_IOU_THRESH`` / ``BG_IOU_THRESH``)."""
         return self.compute_loss(targets, head_outputs, anchors)
+
+
+def _head_norm(name: str) -> Callable[[int], torch.nn.Module] | None:
+    """``MODEL.RETINANET.HEAD_NORM`` as the ``norm_layer`` of torchvision's RetinaNetHead."""
+    if name == "":
+        return None
+    if name == "GN":
+        return partial(torch.nn.GroupNorm, 32)
+    raise ConfigError(f"MODEL.RETINANET.HEAD_NORM must be '' or 'GN', got {name!r}.")
