@@ -1,4 +1,5 @@
-"""Mask R-CNN: torchvision parity, parameter count, mask losses and outputs, segm evaluation."""
+"""Mask R-CNN: torchvision parity, parameter count, mask losses and outputs, a swappable mask head, segm
+evaluation."""
 from __future__ import annotations
 
 import json
@@ -121,6 +122,26 @@ def test_eval_masks_are_binary_uint8_in_the_original_image(demo_model):
         assert set(out) == {"boxes", "scores", "labels", "masks"} and len(out["boxes"]) > 0
         assert out["masks"].dtype == torch.uint8 and out["masks"].shape == (len(out["boxes"]), *target["orig_size"])
         assert set(out["masks"].unique().tolist()) <= {0, 1}
+
+
+def test_custom_mask_head_from_a_dotted_path_trains():
+    model = build_model(load_cfg(DEMO_CFG, ["MODEL.ROI_MASK_HEAD.NAME", f"{__name__}.OneConvMaskHead"]))
+    assert isinstance(model.roi_heads.mask_head, OneConvMaskHead)
+    assert model.roi_heads.mask_predictor.conv5_mask.in_channels == OneConvMaskHead.out_channels
+    model.train()
+    losses = model(*_batch())
+    assert set(losses) == LOSSES
+    sum(losses.values()).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.roi_heads.mask_head.parameters())
+
+
+class OneConvMaskHead(torch.nn.Sequential):
+    """A user's mask head: one 3x3 convolution + ReLU; ``out_channels`` tells the mask predictor its input width."""
+
+    out_channels = 32
+
+    def __init__(self, cfg, in_channels: int) -> None:
+        super().__init__(torch.nn.Conv2d(in_channels, self.out_channels, 3, padding=1), torch.nn.ReLU())
 
 
 def test_mask_rcnn_needs_mask_on():

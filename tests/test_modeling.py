@@ -1,19 +1,22 @@
-"""Faster R-CNN built from config: losses, eval outputs, weight loading, registry errors."""
+"""Faster R-CNN built from config: losses, eval outputs, weight loading, backbones, swappable parts, registry
+errors."""
 from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 
 import pytest
 import torch
 import torchvision
 from conftest import random_padded_batch
-from torchvision.models.detection import FasterRCNN
+from torchvision.models._utils import IntermediateLayerGetter
 from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
 from torchvision.ops import FrozenBatchNorm2d
 
 from pet.config import load_cfg
-from pet.modeling import build_model
+from pet.modeling import build_backbone, build_model
+from pet.modeling.backbone import build_resnet, freeze_stages
 from pet.utils.errors import ConfigError
 from pet.utils.weights import load_weights
 
@@ -130,15 +133,22 @@ def test_r50_config_freezes_what_torchvision_freezes():
     assert isinstance(model.backbone.body.layer4[0].bn1, FrozenBatchNorm2d)
 
 
-def test_detections_match_torchvision_for_the_same_weights(tmp_path):
-    """Same weights and uint8 input -> identical detections (the model only normalises, like torchvision)."""
+def test_detections_match_torchvision_for_the_same_weights(tmp_path, caplog):
+    """torchvision's fasterrcnn_resnet50_fpn state_dict loads cleanly and, for the same uint8 input, gives the same
+    detections (the model only normalises, like torchvision). Untrained, torchvision's builder uses trainable
+    BatchNorm everywhere: in eval mode that computes what Pet's FrozenBN does with the same statistics, and its
+    num_batches_tracked buffers are dropped on load without being reported."""
     torch.manual_seed(0)
-    reference = FasterRCNN(resnet_fpn_backbone(backbone_name="resnet50", weights=None, trainable_layers=3), 91,
-                           min_size=256, max_size=512, box_score_thresh=0.0).eval()
+    reference = torchvision.models.detection.fasterrcnn_resnet50_fpn(
+        weights=None, weights_backbone=None, num_classes=91, min_size=256, max_size=512, box_score_thresh=0.0).eval()
+    assert any(k.endswith("num_batches_tracked") for k in reference.state_dict())
     path = tmp_path / "frcnn.pth"
     torch.save(reference.state_dict(), path)
+    # torchvision's memory format too: channels-last convolutions sum in another order
     model = build_model(_coco_cfg("MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.0", "MODEL.CHANNELS_LAST", "False"))
-    load_weights(model, str(path))
+    with caplog.at_level(logging.WARNING, logger="pet.utils.weights"):
+        assert load_weights(model, str(path)) == {"missing": [], "unexpected": [], "mismatched": []}
+    assert not caplog.records
     model.eval()
     images, batch = random_padded_batch([(256, 320), (256, 256)])
     targets = [{"image_size": tuple(im.shape[1:]), "orig_size": tuple(im.shape[1:])} for im in images]
@@ -148,8 +158,27 @@ def test_detections_match_torchvision_for_the_same_weights(tmp_path):
     for ours, theirs in zip(outputs, expected):
         assert len(ours["boxes"]) == len(theirs["boxes"]) > 0
         assert torch.equal(ours["labels"], theirs["labels"])
-        torch.testing.assert_close(ours["boxes"], theirs["boxes"], atol=1e-4, rtol=0)
-        torch.testing.assert_close(ours["scores"], theirs["scores"], atol=1e-4, rtol=0)
+        assert (ours["boxes"] - theirs["boxes"]).abs().max() <= 1e-4
+        assert (ours["scores"] - theirs["scores"]).abs().max() <= 1e-4
+
+
+# Output channels of ResNet stages layer1..layer4: what the FPN's lateral convolutions take.
+_STAGE_CHANNELS = {"resnet34": [64, 128, 256, 512], "resnet101": [256, 512, 1024, 2048]}
+
+
+@pytest.mark.parametrize("name", _STAGE_CHANNELS)
+def test_resnet34_and_resnet101_backbones_are_torchvisions_resnets_under_the_fpn(name):
+    """Built only (a forward adds nothing here): the body holds the ImageNet classifier's tensors but ``fc``, under
+    its names and shapes, so its weights load; the FPN takes the stage widths. Trainable BN everywhere, so that
+    BN's affine weights are parameters as in the classifier (FrozenBN keeps them as buffers)."""
+    backbone = build_backbone(load_cfg(None, ["MODEL.BACKBONE.NAME", name, "MODEL.BACKBONE.NORM", "BN",
+                                              "MODEL.BACKBONE.FREEZE_AT", "0"]))
+    classifier = getattr(torchvision.models, name)(weights=None)
+    expected = {k: v.shape for k, v in classifier.state_dict().items() if not k.startswith("fc.")}
+    assert {k: v.shape for k, v in backbone.body.state_dict().items()} == expected
+    assert sum(p.numel() for p in backbone.body.parameters()) == sum(
+        p.numel() for n, p in classifier.named_parameters() if not n.startswith("fc."))
+    assert [block[0].in_channels for block in backbone.fpn.inner_blocks] == _STAGE_CHANNELS[name]
 
 
 def test_imagenet_resnet_initialises_the_backbone(tmp_path, caplog):
@@ -224,6 +253,69 @@ class TinyBoxHead(torch.nn.Sequential):
     def __init__(self, cfg, in_channels: int) -> None:
         super().__init__(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
                          torch.nn.Linear(in_channels, cfg.MODEL.ROI_BOX_HEAD.MLP_DIM), torch.nn.ReLU())
+
+
+def test_custom_rpn_head_from_a_dotted_path_trains():
+    model = build_model(load_cfg(DEMO_CFG, ["MODEL.RPN.HEAD_NAME", f"{__name__}.SharedConvRPNHead"]))
+    assert isinstance(model.rpn.head, SharedConvRPNHead)
+    model.train()
+    losses = model(*_batch())
+    assert set(losses) == LOSSES
+    sum(losses.values()).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.rpn.head.parameters())
+
+
+class SharedConvRPNHead(torch.nn.Module):
+    """A user's RPN head: objectness and box deltas of every anchor from one shared 1x1 convolution."""
+
+    def __init__(self, cfg, in_channels: int, num_anchors: int) -> None:
+        super().__init__()
+        self.num_anchors = num_anchors
+        self.conv = torch.nn.Conv2d(in_channels, 5 * num_anchors, 1)
+
+    def forward(self, features: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        outputs = [self.conv(f).float() for f in features]
+        return [o[:, :self.num_anchors] for o in outputs], [o[:, self.num_anchors:] for o in outputs]
+
+
+def test_a_new_neck_is_a_backbone_entry_from_a_dotted_path(tmp_path):
+    """The route pet/modeling/registry.py documents: the model trains through the new neck, and ImageNet ResNet
+    weights still initialise backbone.body."""
+    model = build_model(load_cfg(DEMO_CFG, ["MODEL.BACKBONE.TYPE", f"{__name__}.resnet_lateral_neck"]))
+    assert isinstance(model.backbone, ResNetWithLateralNeck)
+    model.train()
+    losses = model(*_batch())
+    assert set(losses) == LOSSES
+    sum(losses.values()).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.backbone.neck.parameters())
+    path = tmp_path / "resnet18.pth"
+    torch.save(torchvision.models.resnet18(weights=None).state_dict(), path)
+    report = load_weights(model, str(path))
+    assert not report["unexpected"] and not report["mismatched"]
+    assert report["missing"] and not any(k.startswith("backbone.body.") for k in report["missing"])
+
+
+def resnet_lateral_neck(cfg) -> torch.nn.Module:
+    """A user's backbone entry: the config's ResNet with a neck of its own instead of the FPN."""
+    resnet, channels = build_resnet(cfg.MODEL.BACKBONE.NAME, cfg.MODEL.BACKBONE.NORM)
+    freeze_stages(resnet, cfg.MODEL.BACKBONE.FREEZE_AT)
+    return ResNetWithLateralNeck(resnet, channels, cfg.MODEL.FPN.RETURNED_LAYERS, cfg.MODEL.FPN.OUT_CHANNELS)
+
+
+class ResNetWithLateralNeck(torch.nn.Module):
+    """ResNet stages ``layers`` through one 1x1 convolution each (no top-down path), plus a max-pooled coarsest
+    level: the levels MODEL.FPN.RETURNED_LAYERS and TOP_BLOCK "maxpool" describe, so the anchors fit."""
+
+    def __init__(self, resnet: torch.nn.Module, channels: list[int], layers: list[int], out_channels: int) -> None:
+        super().__init__()
+        self.body = IntermediateLayerGetter(resnet, {f"layer{k}": str(i) for i, k in enumerate(layers)})
+        self.neck = torch.nn.ModuleList(torch.nn.Conv2d(channels[k - 1], out_channels, 1) for k in layers)
+        self.out_channels = out_channels
+
+    def forward(self, x: torch.Tensor) -> OrderedDict[str, torch.Tensor]:
+        levels = [conv(f) for conv, f in zip(self.neck, self.body(x).values())]
+        levels.append(torch.nn.functional.max_pool2d(levels[-1], 1, 2))
+        return OrderedDict((str(i), f) for i, f in enumerate(levels))
 
 
 def test_model_summary_counts_parameters_and_flops_without_touching_the_rng(demo_model):

@@ -1,4 +1,5 @@
-"""RetinaNet and FCOS: torchvision parity, parameter counts, losses, eval outputs in Pet's batch contract."""
+"""RetinaNet and FCOS: torchvision parity, parameter counts, losses, eval outputs in Pet's batch contract, swappable
+dense heads; the training recipe of every COCO config."""
 from __future__ import annotations
 
 import os
@@ -9,6 +10,8 @@ import pytest
 import torch
 import torchvision
 from conftest import random_padded_batch
+from torchvision.models.detection import fcos as tv_fcos
+from torchvision.models.detection import retinanet as tv_retinanet
 from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
 from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 
@@ -163,6 +166,49 @@ def test_anchors_and_boxes_stay_float32_under_bfloat16_autocast(name):
         outputs = model(*_batch())
     assert dtypes == [torch.float32] * 2
     assert all(out["boxes"].dtype == out["scores"].dtype == torch.float32 for out in outputs)
+
+
+class OneConvRetinaNetHead(tv_retinanet.RetinaNetHead):
+    """A user's RetinaNet head: one 3x3 convolution per tower instead of four; torchvision's outputs and losses."""
+
+    def __init__(self, cfg, in_channels: int, num_anchors: int, num_classes: int) -> None:
+        super().__init__(in_channels, num_anchors, num_classes)
+        for tower in (self.classification_head, self.regression_head):
+            tower.conv = torch.nn.Sequential(torch.nn.Conv2d(in_channels, in_channels, 3, padding=1), torch.nn.ReLU())
+
+
+class OneConvFCOSHead(tv_fcos.FCOSHead):
+    """A user's FCOS head: towers of one conv + GroupNorm + ReLU instead of ``MODEL.FCOS.NUM_CONVS``."""
+
+    def __init__(self, cfg, in_channels: int, num_anchors: int, num_classes: int) -> None:
+        super().__init__(in_channels, num_anchors, num_classes, num_convs=1)
+
+
+CUSTOM_HEADS = {"retinanet": OneConvRetinaNetHead, "fcos": OneConvFCOSHead}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_custom_dense_head_from_a_dotted_path_trains(name):
+    head = CUSTOM_HEADS[name]
+    model = build_model(_demo_cfg(name, f"{MODELS[name].cfg_node}.HEAD_NAME", f"{__name__}.{head.__name__}"))
+    assert type(model.head) is head
+    model.train()
+    losses = model(*_batch())
+    assert set(losses) == MODELS[name].losses
+    sum(losses.values()).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.head.parameters())
+
+
+# BASE_LR for batch 16 in each COCO config: torchvision's reference recipes (0.02 two-stage, 0.01 one-stage).
+COCO_BASE_LR = {"faster_rcnn": 0.02, "mask_rcnn": 0.02, "retinanet": 0.01, "fcos": 0.01}
+
+
+@pytest.mark.parametrize("name", COCO_BASE_LR)
+def test_coco_configs_train_with_the_1x_recipe(name):
+    solver = _coco_cfg(name).SOLVER
+    assert solver.IMS_PER_BATCH == 16 and solver.MAX_ITER == 90_000 and solver.MAX_EPOCHS == 0
+    assert solver.LR_POLICY == "step" and tuple(solver.STEPS) == (60_000, 80_000) and solver.GAMMA == 0.1
+    assert solver.BASE_LR == COCO_BASE_LR[name]
 
 
 def test_retinanet_anchor_levels_must_match_the_fpn():

@@ -74,6 +74,9 @@ _C.MODEL.PIXEL_MEAN = [123.675, 116.28, 103.53]
 _C.MODEL.PIXEL_STD = [58.395, 57.12, 57.375]
 # Run convolutions in channels-last memory format (much faster backward on CPU).
 _C.MODEL.CHANNELS_LAST = True
+# Submodules to compile with torch.compile, by attribute path: e.g. ["backbone"] ("" is the whole model).
+# Compiled in place, so checkpoints and weights are unchanged; the first iterations pay the compilation.
+_C.MODEL.COMPILE = []
 # (H, W) of the image on which the model summary logged at the start of train and test counts
 # FLOPs. Empty: INPUT.MIN_SIZE_TEST by 4/3 of it (capped at MAX_SIZE_TEST), a typical COCO shape.
 _C.MODEL.FLOPS_INPUT_SIZE = ()
@@ -99,6 +102,9 @@ _C.MODEL.FPN.RETURNED_LAYERS = [1, 2, 3, 4]
 _C.MODEL.FPN.TOP_BLOCK = "maxpool"
 
 _C.MODEL.RPN = CN()
+# Registered RPN head (pet.modeling.RPN_HEAD_REGISTRY) or a dotted import path; the default is
+# torchvision's RPNHead (one 3x3 conv, then objectness and box-delta 1x1 convs) with float32 outputs.
+_C.MODEL.RPN.HEAD_NAME = "RPNHead"
 # Anchor sizes in input pixels, one list per FPN level (P2..P6 for Faster R-CNN), same length each.
 _C.MODEL.RPN.ANCHOR_SIZES = [[32], [64], [128], [256], [512]]
 # Anchor aspect ratios (height / width), shared by every level.
@@ -140,6 +146,9 @@ _C.MODEL.ROI_BOX_HEAD.POOLER_SAMPLING_RATIO = 2
 
 # Mask branch of MaskRCNN (torchvision's maskrcnn_resnet50_fpn with these defaults).
 _C.MODEL.ROI_MASK_HEAD = CN()
+# Registered mask head (pet.modeling.ROI_MASK_HEAD_REGISTRY) or a dotted import path; the default is
+# torchvision's MaskRCNNHeads, built from NUM_CONV and CONV_DIM below.
+_C.MODEL.ROI_MASK_HEAD.NAME = "MaskRCNNHeads"
 # 3x3 convolutions on the pooled RoI features before the 2x deconvolution.
 _C.MODEL.ROI_MASK_HEAD.NUM_CONV = 4
 # Channels of each of those convolutions and of the deconvolution.
@@ -156,6 +165,9 @@ _C.MODEL.RETINANET = CN()
 _C.MODEL.RETINANET.ANCHOR_SIZES = [[32, 40, 50], [64, 80, 101], [128, 161, 203], [256, 322, 406], [512, 645, 812]]
 # Anchor aspect ratios (height / width), shared by every level.
 _C.MODEL.RETINANET.ASPECT_RATIOS = [0.5, 1.0, 2.0]
+# Registered dense head (pet.modeling.DENSE_HEAD_REGISTRY) or a dotted import path; the default is
+# torchvision's RetinaNetHead, normalised as HEAD_NORM says. Its outputs and compute_loss must be RetinaNet's.
+_C.MODEL.RETINANET.HEAD_NAME = "RetinaNetHead"
 # Normalisation in the head's 4+4 convolutions: "" (none: torchvision's retinanet_resnet50_fpn) or "GN"
 # (GroupNorm, 32 groups, as retinanet_resnet50_fpn_v2 and FCOS). Without it, the head's 0.01-std
 # initialisation shrinks the signal ~10x per layer, which only a pre-trained backbone's features outweigh.
@@ -173,6 +185,9 @@ _C.MODEL.RETINANET.DETECTIONS_PER_IMAGE = 300
 # FCOS (torchvision's fcos_resnet50_fpn with these defaults); its FPN is P3-P7 as RetinaNet's and each
 # level's points are as large as its stride.
 _C.MODEL.FCOS = CN()
+# Registered dense head (pet.modeling.DENSE_HEAD_REGISTRY) or a dotted import path; the default is
+# torchvision's FCOSHead with NUM_CONVS layers per tower. Its outputs and compute_loss must be FCOS's.
+_C.MODEL.FCOS.HEAD_NAME = "FCOSHead"
 # 3x3 conv + GroupNorm + ReLU layers in each of the classification and box towers.
 _C.MODEL.FCOS.NUM_CONVS = 4
 # A point inside a box is a foreground candidate only within this many strides of the box centre.
@@ -190,8 +205,12 @@ _C.MODEL.FCOS.DETECTIONS_PER_IMAGE = 100
 _C.SOLVER = CN()
 # "SGD" or "AdamW".
 _C.SOLVER.OPTIMIZER = "SGD"
+# Peak learning rate (reached after warm-up) for SOLVER.IMS_PER_BATCH images per step; scale it
+# linearly with the total batch size.
 _C.SOLVER.BASE_LR = 0.02
+# SGD momentum (unused by AdamW, which keeps its default betas).
 _C.SOLVER.MOMENTUM = 0.9
+# Weight decay (L2 for SGD, decoupled for AdamW) of every parameter but normalisation layers'.
 _C.SOLVER.WEIGHT_DECAY = 1e-4
 # Weight decay of normalisation layers' weights and biases.
 _C.SOLVER.WEIGHT_DECAY_NORM = 0.0
@@ -322,6 +341,7 @@ _C.HOOKS.PROFILER.OUTPUT = "table"
 # Testing
 # ---------------------------------------------------------------------------------------
 _C.TEST = CN()
+# Registered dataset names to evaluate on (each separately) in test_net.py and validation.
 _C.TEST.DATASETS = ("shapes_val",)
 # Weights to test; empty means CKPT/model_final.pth.
 _C.TEST.WEIGHTS = ""

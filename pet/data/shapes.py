@@ -8,8 +8,8 @@ side (independently), so aspect-ratio grouping has something to group. Every ima
 comes from its own seeded random stream, so the same arguments always produce the same
 files.
 
-Boxes, areas and polygons describe the *visible* part of each object (as in COCO): an
-object is only kept when at least half of it stays visible.
+Boxes, areas and polygons describe the *visible* part of each object (as in COCO): a new
+object is only placed where every earlier one keeps at least three quarters of its area.
 """
 from __future__ import annotations
 

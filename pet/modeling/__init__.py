@@ -2,8 +2,9 @@
 
 ``build_model(cfg)`` builds the ``MODEL.META_ARCHITECTURE`` entry of
 ``META_ARCH_REGISTRY``; ``pet.utils.weights.load_weights(model, path)`` loads a Pet
-checkpoint or a torchvision ``state_dict`` into it. To add a detector, backbone or box head, register
-it in the matching registry (see :mod:`pet.modeling.registry`) and name it in YAML.
+checkpoint or a torchvision ``state_dict`` into it. To add a detector, backbone (or neck), RPN head,
+RoI box or mask head, or one-stage dense head, register it in the matching registry (see
+:mod:`pet.modeling.registry`, which also says what each entry is called with and returns) and name it in YAML.
 """
 import torch
 from fvcore.common.config import CfgNode
@@ -12,14 +13,24 @@ from pet.modeling.backbone import build_backbone
 from pet.modeling.faster_rcnn import FasterRCNN
 from pet.modeling.fcos import FCOS
 from pet.modeling.mask_rcnn import MaskRCNN
-from pet.modeling.registry import BACKBONE_REGISTRY, META_ARCH_REGISTRY, ROI_BOX_HEAD_REGISTRY
+from pet.modeling.registry import (
+    BACKBONE_REGISTRY,
+    DENSE_HEAD_REGISTRY,
+    META_ARCH_REGISTRY,
+    ROI_BOX_HEAD_REGISTRY,
+    ROI_MASK_HEAD_REGISTRY,
+    RPN_HEAD_REGISTRY,
+)
 from pet.modeling.retinanet import RetinaNet
 from pet.modeling.weights import convert_state_dict
 
 __all__ = [
     "META_ARCH_REGISTRY",
     "BACKBONE_REGISTRY",
+    "RPN_HEAD_REGISTRY",
     "ROI_BOX_HEAD_REGISTRY",
+    "ROI_MASK_HEAD_REGISTRY",
+    "DENSE_HEAD_REGISTRY",
     "build_model",
     "build_backbone",
     "convert_state_dict",

@@ -2,7 +2,8 @@
 
 torchvision's ResNet and FeaturePyramidNetwork are used unchanged, under the module
 names of torchvision's detection models (``body.*``, ``fpn.*``), so torchvision
-detection weights load without renaming.
+detection weights load without renaming. Another neck on the same ResNet is another
+``BACKBONE_REGISTRY`` entry built on :func:`build_resnet` (see :mod:`pet.modeling.registry`).
 """
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
-"""FCOS: ResNet + FPN (P3-P7) -> one point per feature-map cell -> torchvision's FCOSHead.
+"""FCOS: ResNet + FPN (P3-P7) -> one point per feature-map cell -> a dense head (torchvision's FCOSHead).
 
 The parts are torchvision's, assembled from ``MODEL.FCOS`` under the module names of
 ``torchvision.models.detection.fcos_resnet50_fpn`` (``backbone.body``, ``backbone.fpn``,
 ``anchor_generator``, ``head.classification_head``, ``head.regression_head``), so its weights
 load as they are and, with the same input, give the same detections. Training uses
 torchvision's ``compute_loss`` (centre sampling, per-level size ranges, focal, GIoU and
-centerness losses), testing its ``postprocess_detections``.
+centerness losses), testing its ``postprocess_detections``. The head is the ``MODEL.FCOS.HEAD_NAME``
+entry of ``DENSE_HEAD_REGISTRY``.
 """
 from __future__ import annotations
 
@@ -16,9 +17,18 @@ from torchvision.models.detection.anchor_utils import AnchorGenerator
 
 from pet.modeling.backbone import build_backbone, fpn_strides
 from pet.modeling.one_stage import OneStageDetector
-from pet.modeling.registry import META_ARCH_REGISTRY
+from pet.modeling.registry import DENSE_HEAD_REGISTRY, META_ARCH_REGISTRY
 
-__all__ = ["FCOS"]
+__all__ = ["FCOS", "FCOSHead"]
+
+
+@DENSE_HEAD_REGISTRY.register()
+class FCOSHead(tv_fcos.FCOSHead):
+    """torchvision's FCOS head: classification and box towers of ``MODEL.FCOS.NUM_CONVS`` conv + GroupNorm + ReLU
+    layers, a centerness output, and torchvision's focal, GIoU and centerness losses (``compute_loss``)."""
+
+    def __init__(self, cfg: CfgNode, in_channels: int, num_anchors: int, num_classes: int) -> None:
+        super().__init__(in_channels, num_anchors, num_classes, num_convs=cfg.MODEL.FCOS.NUM_CONVS)
 
 
 @META_ARCH_REGISTRY.register()
@@ -42,7 +52,7 @@ class FCOS(OneStageDetector, tv_fcos.FCOS):
             backbone,
             num_classes,
             anchor_generator=anchors,
-            head=tv_fcos.FCOSHead(backbone.out_channels, 1, num_classes, num_convs=fcos.NUM_CONVS),
+            head=DENSE_HEAD_REGISTRY.get(fcos.HEAD_NAME)(cfg, backbone.out_channels, 1, num_classes),
             center_sampling_radius=fcos.CENTER_SAMPLING_RADIUS,
             score_thresh=fcos.SCORE_THRESH_TEST,
             nms_thresh=fcos.NMS_THRESH_TEST,

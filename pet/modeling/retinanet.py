@@ -1,11 +1,12 @@
-"""RetinaNet: ResNet + FPN (P3-P7) -> anchors on every level -> torchvision's RetinaNetHead.
+"""RetinaNet: ResNet + FPN (P3-P7) -> anchors on every level -> a dense head (torchvision's RetinaNetHead).
 
 The parts are torchvision's, assembled from ``MODEL.RETINANET`` under the module names of
 ``torchvision.models.detection.retinanet_resnet50_fpn`` (``backbone.body``, ``backbone.fpn``,
 ``anchor_generator``, ``head.classification_head``, ``head.regression_head``), so its weights
 load as they are and, with the same input, give the same detections. Training uses
 torchvision's ``compute_loss`` (IoU matching, sigmoid focal loss, L1 box loss), testing its
-``postprocess_detections`` (per-level top-k, class-wise NMS).
+``postprocess_detections`` (per-level top-k, class-wise NMS). The head is the
+``MODEL.RETINANET.HEAD_NAME`` entry of ``DENSE_HEAD_REGISTRY``.
 """
 from __future__ import annotations
 
@@ -19,10 +20,19 @@ from torchvision.models.detection import retinanet as tv_retinanet
 from pet.modeling.anchors import build_anchor_generator
 from pet.modeling.backbone import build_backbone, num_fpn_levels
 from pet.modeling.one_stage import OneStageDetector
-from pet.modeling.registry import META_ARCH_REGISTRY
+from pet.modeling.registry import DENSE_HEAD_REGISTRY, META_ARCH_REGISTRY
 from pet.utils.errors import ConfigError
 
-__all__ = ["RetinaNet"]
+__all__ = ["RetinaNet", "RetinaNetHead"]
+
+
+@DENSE_HEAD_REGISTRY.register()
+class RetinaNetHead(tv_retinanet.RetinaNetHead):
+    """torchvision's RetinaNet head: classification and box towers of four 3x3 convolutions each, normalised
+    as ``MODEL.RETINANET.HEAD_NORM`` says, and torchvision's focal and L1 losses (``compute_loss``)."""
+
+    def __init__(self, cfg: CfgNode, in_channels: int, num_anchors: int, num_classes: int) -> None:
+        super().__init__(in_channels, num_anchors, num_classes, norm_layer=_head_norm(cfg.MODEL.RETINANET.HEAD_NORM))
 
 
 @META_ARCH_REGISTRY.register()
@@ -40,8 +50,8 @@ class RetinaNet(OneStageDetector, tv_retinanet.RetinaNet):
                                          "MODEL.RETINANET.ANCHOR_SIZES")
         # NUM_CLASSES + 1 outputs like torchvision's COCO model, see pet.modeling.one_stage._without_background.
         num_classes = cfg.MODEL.NUM_CLASSES + 1
-        head = tv_retinanet.RetinaNetHead(backbone.out_channels, anchors.num_anchors_per_location()[0], num_classes,
-                                          norm_layer=_head_norm(retina.HEAD_NORM))
+        head = DENSE_HEAD_REGISTRY.get(retina.HEAD_NAME)(cfg, backbone.out_channels,
+                                                         anchors.num_anchors_per_location()[0], num_classes)
         super().__init__(
             backbone,
             num_classes,

@@ -5,9 +5,10 @@ A new box head is a class registered there whose ``__init__(cfg, in_channels)`` 
 and whose forward maps pooled features ``[R, in_channels, S, S]`` to
 ``[R, MODEL.ROI_BOX_HEAD.MLP_DIM]``; name it in YAML with ``MODEL.ROI_BOX_HEAD.NAME``.
 
-The mask branch is torchvision's too (``mask_roi_pool``, ``mask_head``, ``mask_predictor``):
-RoIHeads runs it, computes ``loss_mask`` in training and adds per-class-selected mask
-probabilities ``[N, 1, M, M]`` to each image's detections in eval mode.
+The mask branch is torchvision's too (``mask_roi_pool``, ``mask_head``, ``mask_predictor``), its
+``mask_head`` chosen from ``ROI_MASK_HEAD_REGISTRY`` by ``MODEL.ROI_MASK_HEAD.NAME``: RoIHeads runs
+it, computes ``loss_mask`` in training and adds per-class-selected mask probabilities
+``[N, 1, M, M]`` to each image's detections in eval mode.
 """
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ from fvcore.common.config import CfgNode
 from torchvision.models.detection import faster_rcnn as tv_frcnn
 from torchvision.models.detection import mask_rcnn as tv_mrcnn
 from torchvision.models.detection.roi_heads import RoIHeads
-from torchvision.ops import MultiScaleRoIAlign
 
-from pet.modeling.registry import ROI_BOX_HEAD_REGISTRY
+from pet.modeling.poolers import MultiScaleRoIAlign
+from pet.modeling.registry import ROI_BOX_HEAD_REGISTRY, ROI_MASK_HEAD_REGISTRY
 
-__all__ = ["TwoMLPHead", "FastRCNNPredictor", "MaskRCNNPredictor", "build_roi_heads"]
+__all__ = ["TwoMLPHead", "FastRCNNPredictor", "MaskRCNNHeads", "MaskRCNNPredictor", "build_roi_heads"]
 
 
 @ROI_BOX_HEAD_REGISTRY.register()
@@ -44,6 +45,21 @@ class FastRCNNPredictor(tv_frcnn.FastRCNNPredictor):
         return scores.float(), deltas.float()
 
 
+@ROI_MASK_HEAD_REGISTRY.register()
+class MaskRCNNHeads(tv_mrcnn.MaskRCNNHeads):
+    """torchvision's mask head, ``NUM_CONV`` 3x3 convolutions + ReLU of ``CONV_DIM`` channels, under its
+    module names (``0``, ``1``, ...) so its weights load.
+
+    ``out_channels`` is what the mask predictor receives: ``CONV_DIM``, or ``in_channels`` without convolutions.
+    """
+
+    def __init__(self, cfg: CfgNode, in_channels: int) -> None:
+        mask = cfg.MODEL.ROI_MASK_HEAD
+        dims = [mask.CONV_DIM] * mask.NUM_CONV
+        super().__init__(in_channels, dims, dilation=1)
+        self.out_channels = dims[-1] if dims else in_channels
+
+
 class MaskRCNNPredictor(tv_mrcnn.MaskRCNNPredictor):
     """torchvision's 2x up-sampling deconvolution and per-class mask logits, with float32 outputs.
 
@@ -58,16 +74,16 @@ class MaskRCNNPredictor(tv_mrcnn.MaskRCNNPredictor):
 def build_mask_branch(cfg: CfgNode, in_channels: int, featmap_names: list[str]) -> dict[str, torch.nn.Module]:
     """``mask_roi_pool``, ``mask_head`` and ``mask_predictor`` for torchvision's RoIHeads.
 
-    With ``MODEL.ROI_MASK_HEAD``'s defaults these are exactly ``maskrcnn_resnet50_fpn``'s: 14x14
-    RoIAlign, four 3x3 convolutions of 256 channels, a 2x deconvolution and 28x28 logits per class.
+    The head is the ``MODEL.ROI_MASK_HEAD.NAME`` entry; the predictor takes its ``out_channels``. With
+    ``MODEL.ROI_MASK_HEAD``'s defaults these are exactly ``maskrcnn_resnet50_fpn``'s: 14x14 RoIAlign,
+    four 3x3 convolutions of 256 channels, a 2x deconvolution and 28x28 logits per class.
     """
     mask = cfg.MODEL.ROI_MASK_HEAD
-    dims = [mask.CONV_DIM] * mask.NUM_CONV
+    head = ROI_MASK_HEAD_REGISTRY.get(mask.NAME)(cfg, in_channels)
     return {
         "mask_roi_pool": MultiScaleRoIAlign(featmap_names, mask.POOLER_RESOLUTION, mask.POOLER_SAMPLING_RATIO),
-        "mask_head": tv_mrcnn.MaskRCNNHeads(in_channels, dims, dilation=1),
-        "mask_predictor": MaskRCNNPredictor(dims[-1] if dims else in_channels, mask.CONV_DIM,
-                                            cfg.MODEL.NUM_CLASSES + 1),
+        "mask_head": head,
+        "mask_predictor": MaskRCNNPredictor(head.out_channels, mask.CONV_DIM, cfg.MODEL.NUM_CLASSES + 1),
     }
 
 

@@ -59,8 +59,8 @@ def load_weights(model: torch.nn.Module, path: str, *, unsafe: bool = False) -> 
         "unexpected": [k for k in result.unexpected_keys if not k.endswith(_IGNORED_SUFFIXES)],
         "mismatched": list(mismatched),
     }
-    loaded = len(state) - len(result.unexpected_keys) - len(mismatched)
-    logger.info(f"Loaded {loaded} tensors from {path}")
+    loaded = sum(1 for k in state if k in own and k not in mismatched)
+    logger.info(f"Loaded {loaded} of the model's {len(own)} tensors from {path}")
     if any(report.values()):
         logger.warning(f"Weights in {path} that did not load:\n{_report_table(report, mismatched)}")
     return report
