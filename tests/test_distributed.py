@@ -2,15 +2,22 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from pet.data import generate_shapes
+from pet.engine import defaults
+from pet.engine.defaults import distributed_backend, init_distributed
 from pet.engine.events import read_metrics
+from pet.utils import comm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_CFG = os.path.join(ROOT, "cfgs", "shapes", "faster_rcnn_R-18-FPN.yaml")
@@ -135,11 +142,94 @@ def test_sync_bn_on_cpu_is_a_config_error_in_every_rank(tiny_set, tmp_path):
     assert "[rank0]: Traceback" not in proc.stderr and "ValueError" not in proc.stderr
 
 
-def test_test_batch_that_cannot_be_split_stops_before_training(tiny_set, tmp_path):
-    """Validation's batch size is checked when the hooks are built, not after the run has trained for hours."""
+@pytest.mark.parametrize("key, opts", [
+    ("SOLVER.IMS_PER_BATCH", ("SOLVER.IMS_PER_BATCH", "3")),
+    # Validation's batch is checked when the hooks are built, not after the run has trained for hours.
+    ("TEST.IMS_PER_BATCH", ("TEST.EVAL_PERIOD", "1")),
+])
+def test_a_batch_that_cannot_be_split_stops_every_rank_before_anything_is_written(tiny_set, tmp_path, key, opts):
     ckpt = tmp_path / "uneven"
-    proc = run_tool("train_net.py", "--cfg", DEMO_CFG, *_opts(tiny_set, str(ckpt), max_iter=2), "TEST.EVAL_PERIOD", "1",
+    proc = run_tool("train_net.py", "--cfg", DEMO_CFG, *_opts(tiny_set, str(ckpt), max_iter=2), *opts,
                     nproc=2, check=False)
-    assert proc.returncode != 0
-    assert "Error: TEST.IMS_PER_BATCH (1) must be a positive multiple of the number of processes (2)." in proc.stderr
-    assert not [f for f in os.listdir(ckpt) if f.endswith(".pth")] if ckpt.exists() else True
+    value = opts[1] if key == "SOLVER.IMS_PER_BATCH" else "1"
+    assert proc.returncode != 0  # torchrun's own status is 1 whatever its workers returned; theirs is below
+    # Every rank exits with 2 (a config error), unless torchrun terminated it (-15) once the first one had.
+    codes = set(re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr))
+    assert "2" in codes and codes <= {"2", "-15"}
+    assert f"Error: {key} ({value}) must be a positive multiple of the number of processes (2)." in proc.stderr
+    assert "Traceback" not in proc.stderr.split("Error:")[0]
+    assert sorted(os.listdir(ckpt)) == ["log.txt", "log.txt.rank1"]
+
+
+# ---------------------------------------------------------------------------------------- backend and comm helpers
+def test_backend_follows_the_run_device():
+    assert distributed_backend(torch.device("cuda", 1)) == "nccl"
+    assert distributed_backend(torch.device("cpu")) == "gloo"
+
+
+@pytest.mark.parametrize("device, backend, current_gpu", [
+    ("cpu", "gloo", None),  # a CPU run on a GPU machine: NCCL would reject its CPU tensors
+    ("auto", "nccl", torch.device("cuda", 1)),
+    ("cuda", "nccl", torch.device("cuda", 1)),
+])
+def test_init_distributed_picks_the_backend_from_cfg_device(monkeypatch, device, backend, current_gpu):
+    """On a (pretend) GPU machine: the backend and current device follow DEVICE, as the trainer resolves it."""
+    joined, selected = [], []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", selected.append)
+    monkeypatch.setattr(defaults.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(defaults.dist, "init_process_group", lambda backend: joined.append(backend))
+    init_distributed(device=device)
+    assert joined == [backend]
+    assert selected == ([current_gpu] if current_gpu else [])
+
+
+def test_collective_device_is_the_current_gpu_under_nccl(monkeypatch):
+    assert comm.collective_device() == torch.device("cpu")  # no process group
+    monkeypatch.setattr(comm.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(comm.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert comm.collective_device() == torch.device("cuda", 1)
+    monkeypatch.setattr(comm.dist, "get_backend", lambda group=None: "gloo")
+    assert comm.collective_device() == torch.device("cpu")
+
+
+def test_reduce_scalars_builds_its_tensor_on_the_collective_device(monkeypatch):
+    """What NCCL needs, checked without a GPU: the tensors reduced are built where ``collective_device`` says."""
+    asked, reduced_on = [], []
+
+    def collective_device():
+        asked.append(True)
+        return torch.device("cpu")
+
+    monkeypatch.setattr(comm, "get_world_size", lambda: 2)
+    monkeypatch.setattr(comm, "collective_device", collective_device)
+    monkeypatch.setattr(comm.dist, "all_reduce", lambda tensor, op=None: reduced_on.append(tensor.device))
+    assert comm.reduce_scalars({"loss": 1.0, "data_time": 2.0}, maximum=("data_time",)) == {
+        "loss": 0.5, "data_time": 2.0}  # the fake all-reduce leaves the values as they are
+    assert asked == [True] and reduced_on == [torch.device("cpu")] * 2
+
+
+def _reduce_worker(rank, init_file, queue):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    values = {"loss": float(rank + 1), "data_time": 0.1 * (rank + 1)}
+    queue.put((rank, str(comm.collective_device()), comm.reduce_scalars(values, maximum=("data_time",))))
+    dist.destroy_process_group()
+
+
+def test_reduce_scalars_under_gloo_averages_and_takes_the_max(tmp_path):
+    context = multiprocessing.get_context("spawn")  # fork would copy torch's busy OpenMP pool
+    queue = context.Queue()
+    workers = [context.Process(target=_reduce_worker, args=(r, tmp_path / "init", queue)) for r in range(2)]
+    for worker in workers:
+        worker.start()
+    results = sorted(queue.get(timeout=60) for _ in workers)
+    for worker in workers:
+        worker.join(timeout=60)
+        assert worker.exitcode == 0
+    assert [rank for rank, _, _ in results] == [0, 1]
+    for _, device, reduced in results:
+        assert device == "cpu"
+        assert reduced == pytest.approx({"loss": 1.5, "data_time": 0.2})

@@ -97,10 +97,14 @@ def test_cli_rejects_an_unknown_key_with_one_line_and_creates_nothing(tmp_path):
     assert not ckpt.exists()
 
 
-def test_cli_missing_config_file(tmp_path):
-    proc = run_tool("test_net.py", "--cfg", str(tmp_path / "missing.yaml"), check=False)
+@pytest.mark.parametrize("tool", ["train_net.py", "test_net.py"])
+def test_cli_missing_config_file_is_one_line_and_creates_nothing(tool, tmp_path):
+    missing, ckpt = tmp_path / "missing.yaml", tmp_path / "never"
+    proc = run_tool(tool, "--cfg", str(missing), "CKPT", str(ckpt), check=False)
     assert proc.returncode == 2
-    assert "Config file not found" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"Error: Config file not found: {missing} (pass an existing YAML file to --cfg)"]
+    assert not ckpt.exists()
 
 
 def test_test_net_without_weights_says_what_to_do(tiny_set, tmp_path):
@@ -109,12 +113,20 @@ def test_test_net_without_weights_says_what_to_do(tiny_set, tmp_path):
     assert "Weights file not found" in proc.stderr and "train first" in proc.stderr
 
 
-def test_unknown_hook_fails_before_anything_but_the_log_is_written(tiny_set, tmp_path):
+@pytest.mark.parametrize("key, value, error", [
+    ("HOOKS.CUSTOM", "[{'type': 'EarlyStopingHook'}]",
+     "Error: Unknown hook 'EarlyStopingHook'. Did you mean 'EarlyStoppingHook'? Registered: "),
+    ("HOOKS.CUSTOM", "[{'type': 'no_such_package.hooks.MyHook'}]",
+     "Error: Cannot import 'no_such_package.hooks.MyHook': ModuleNotFoundError: No module named 'no_such_package'"),
+    ("TRAIN.WRITERS", "[{'type': 'JSONWritter'}]",
+     "Error: Unknown event writer 'JSONWritter'. Did you mean 'JSONWriter'? Registered: "),
+    ("TRAIN.WRITERS", "[{'type': 'pet.engine.events.CSVWriter'}]",
+     "Error: Cannot import 'pet.engine.events.CSVWriter': module 'pet.engine.events' has no 'CSVWriter'"),
+], ids=["unknown-hook", "hook-path-does-not-import", "unknown-writer", "writer-path-does-not-import"])
+def test_a_bad_hook_or_writer_fails_before_anything_but_the_log_is_written(tiny_set, tmp_path, key, value, error):
     ckpt = tmp_path / "run"
-    proc = run_tool("train_net.py", "--cfg", DEMO_CFG, *_opts(tiny_set, str(ckpt)),
-                    "HOOKS.CUSTOM", "[{'type': 'EarlyStopingHook'}]", check=False)
+    proc = run_tool("train_net.py", "--cfg", DEMO_CFG, *_opts(tiny_set, str(ckpt)), key, value, check=False)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        "Error: Unknown hook 'EarlyStopingHook'. Did you mean 'EarlyStoppingHook'? Registered: "
-        + proc.stderr.split("Registered: ")[1].strip()]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(error), proc.stderr
     assert sorted(os.listdir(ckpt)) == ["log.txt"]

@@ -13,6 +13,7 @@ from conftest import InfiniteToyLoader, ToyLoader, ToyModel
 from pet.engine.events import EventStorage, EventWriter, read_metrics
 from pet.engine.hooks import (
     MOUNT_POINTS,
+    HookDispatcher,
     IterationTimer,
     LRScheduler,
     PeriodicWriter,
@@ -306,6 +307,27 @@ def test_hook_cost_table_is_logged(make_cfg, caplog):
     table = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Time spent in hooks"))
     row = next(line for line in table.splitlines() if "LRScheduler" in line and "after_step" in line)
     assert row.split("|")[3].strip() == "5"  # calls
+
+
+def test_hook_cost_excludes_the_nested_dispatches_a_hook_triggers():
+    class Validating(TrainHook):  # like EvalHook: its after_step calls before_val on every hook
+        def after_step(self, dispatch, **kwargs):
+            dispatch("before_val", dispatch=dispatch)
+
+    class Slow(TrainHook):
+        def before_val(self, **kwargs):
+            time.sleep(0.2)
+
+    outer, inner = Validating(), Slow()
+    dispatch = HookDispatcher([outer, inner])
+    dispatch("after_step", dispatch=dispatch)
+    costs = {(hook, point): (calls, seconds) for hook, point, calls, seconds in dispatch.costs()}
+    assert set(costs) == {(outer, "after_step"), (inner, "before_val")}
+    assert costs[inner, "before_val"][0] == 1 and costs[inner, "before_val"][1] >= 0.2
+    assert costs[outer, "after_step"][0] == 1 and costs[outer, "after_step"][1] < 0.1  # the sleep is not its cost
+    assert dispatch.total_seconds() == pytest.approx(sum(seconds for _, seconds in costs.values()))
+    row = next(line for line in dispatch.cost_table().splitlines() if "Validating" in line)
+    assert [cell.strip() for cell in row.split("|")[2:4]] == ["after_step", "1"] and float(row.split("|")[4]) < 100
 
 
 def test_metrics_json_iteration_counts_completed_iterations(make_cfg):

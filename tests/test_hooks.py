@@ -311,6 +311,48 @@ def test_resume_with_a_larger_max_iter_continues_to_the_new_end(cfg_for):
     assert again.iter == 10 and calls == [10] and regular_iters(again.output_dir) == [4, 6, 8, 10]
 
 
+class Tally(TrainHook):
+    """Adds ``by`` at every step; the total is hook state that must survive a resume."""
+
+    def __init__(self, by):
+        self.by = by
+        self.total = 0
+
+    def after_step(self, **kwargs):
+        self.total += self.by
+
+    def state_dict(self):
+        return {"total": self.total}
+
+    def load_state_dict(self, state):
+        self.total = state["total"]
+
+
+def test_two_hooks_of_one_class_keep_their_own_state_across_a_resume(cfg_for):
+    first, second = Tally(1), Tally(10)
+    second.priority = Priority.HIGH  # runs before `first` but was registered after it: keys follow registration
+    trainer = make_trainer(cfg_for("SOLVER.MAX_ITER", 4, "HOOKS.CHECKPOINT.INTERVAL", 2), first, second)
+    trainer.train()
+    hooks_state = load(os.path.join(trainer.output_dir, "model_iter4.pth"))["hooks"]
+    assert hooks_state["Tally"] == {"total": 4} and hooks_state["Tally.1"] == {"total": 40}
+
+    first, second = Tally(1), Tally(10)
+    second.priority = Priority.HIGH
+    resumed = make_trainer(cfg_for("SOLVER.MAX_ITER", 6, "HOOKS.CHECKPOINT.INTERVAL", 2), first, second)
+    resumed.resume_or_load(resume=True)
+    assert (first.total, second.total) == (4, 40)
+    resumed.train()
+    assert (first.total, second.total) == (6, 60)
+
+
+def test_a_checkpoint_with_one_hook_per_class_loads_into_the_first_of_that_class(cfg_for):
+    make_trainer(cfg_for("SOLVER.MAX_ITER", 2, "HOOKS.CHECKPOINT.INTERVAL", 2), Tally(1)).train()
+    first, second = Tally(1), Tally(10)
+    resumed = make_trainer(cfg_for("SOLVER.MAX_ITER", 4), first, second)
+    resumed.resume_or_load(resume=True)
+    assert (resumed.start_iter, first.total, second.total) == (2, 2, 0)
+
+
 # ---------------------------------------------------------------------------------------- EvalHook
 class ValRecorder(TrainHook):
     def __init__(self):
@@ -562,7 +604,7 @@ def _sync_worker(rank, init_file, queue):
 
 
 def test_sync_buffers_averages_float_buffers_across_processes(tmp_path):
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("spawn")  # fork would copy torch's busy OpenMP pool
     queue = context.Queue()
     workers = [context.Process(target=_sync_worker, args=(r, tmp_path / "init", queue)) for r in range(2)]
     for worker in workers:

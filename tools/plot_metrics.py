@@ -2,6 +2,8 @@
 
     python tools/plot_metrics.py ckpts/shapes/faster_rcnn_R-18-FPN/metrics.json [other/metrics.json ...] \
         [--out curves.png] [--labels a b]
+
+A missing or empty metrics file is a one-line error (exit status 1).
 """
 import argparse
 import os
@@ -24,9 +26,13 @@ def main() -> None:
             sys.exit(f"Error: metrics file not found: {path}")
     if args.labels and len(args.labels) != len(args.metrics):
         sys.exit("Error: give one --labels entry per metrics file")
+    runs = [read_metrics(f) for f in args.metrics]
+    for path, records in zip(args.metrics, runs):
+        if not records:
+            sys.exit(f"Error: no metrics records (JSON lines) in {path}")
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.metrics[0])), "curves.png")
     labels = args.labels or [os.path.basename(os.path.dirname(os.path.abspath(f))) for f in args.metrics]
-    print(plot_training_curves([read_metrics(f) for f in args.metrics], out, labels))
+    print(plot_training_curves(runs, out, labels))
 
 
 if __name__ == "__main__":

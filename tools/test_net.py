@@ -16,6 +16,7 @@ from pet.engine.trainer import resolve_device  # noqa: E402
 from pet.evaluation import DetectionVisualizer, evaluate_results_file  # noqa: E402
 from pet.evaluation.coco import write_json_atomic  # noqa: E402
 from pet.utils import comm  # noqa: E402
+from pet.utils.compile import compile_submodules  # noqa: E402
 from pet.utils.errors import ConfigError  # noqa: E402
 from pet.utils.model_summary import log_model_summary  # noqa: E402
 from pet.utils.registry import META_ARCH_REGISTRY  # noqa: E402
@@ -62,6 +63,7 @@ def main() -> None:
     model = META_ARCH_REGISTRY.get(cfg.MODEL.META_ARCHITECTURE)(cfg)
     load_weights(model, cfg.TEST.WEIGHTS or os.path.join(cfg.CKPT, "model_final.pth"), unsafe=args.unsafe_load)
     model.to(resolve_device(cfg.DEVICE))
+    compile_submodules(model, cfg.MODEL.COMPILE)
     if comm.is_main_process():
         log_model_summary(model, cfg)
     test_hook, hooks = build_test_hooks(cfg, args.cfg_file)

@@ -18,7 +18,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = default_setup(args.cfg_file, args.opts, args.local_rank)
     register_custom_datasets(cfg)
-    trainer = Trainer(cfg)  # a bad model, data or hook setting fails here, before anything is written
+    trainer = Trainer(cfg)  # a bad model, data, hook or writer setting fails here, before anything is written
     if comm.is_main_process():
         with open(os.path.join(cfg.CKPT, "config.yaml"), "w", encoding="utf-8") as f:
             f.write(cfg.dump())

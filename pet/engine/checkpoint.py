@@ -8,21 +8,23 @@ caller explicitly asks otherwise.
 """
 from __future__ import annotations
 
-import glob
 import io
 import logging
 import os
 import random
+import re
 from typing import Any
 
 import numpy as np
 import torch
 
+from pet.utils import comm
 from pet.utils.errors import ConfigError, TrainingError
 
 __all__ = [
     "atomic_save",
     "atomic_write_bytes",
+    "temporary_path",
     "write_last_checkpoint",
     "read_last_checkpoint",
     "load_checkpoint",
@@ -34,7 +36,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 LAST_CHECKPOINT = "last_checkpoint"
-_TMP_SUFFIX = ".tmp"
+# Exactly the names temporary_path() makes; a user's "notes.tmp" or "x.tmp.json" never matches.
+_TMP_NAME = re.compile(r".+\.tmp\d+")
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -42,9 +45,18 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if hasattr(model, "module") and isinstance(model.module, torch.nn.Module) else model
 
 
+def temporary_path(path: str) -> str:
+    """Where a write to ``path`` is staged before the rename: ``{path}.tmp{pid}``.
+
+    :func:`read_last_checkpoint` removes leftovers of exactly this form (a process killed
+    mid-write), so every staged write in an output directory must use it.
+    """
+    return f"{path}.tmp{os.getpid()}"
+
+
 def _atomic_write(path: str, write: Any) -> None:
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}{_TMP_SUFFIX}{os.getpid()}"
+    tmp = temporary_path(path)
     try:
         os.makedirs(directory, exist_ok=True)
         with open(tmp, "wb") as f:
@@ -86,22 +98,36 @@ def write_last_checkpoint(save_dir: str, filename: str) -> None:
 def read_last_checkpoint(save_dir: str) -> str | None:
     """Path of the newest complete checkpoint in ``save_dir``, or None.
 
-    Leftover temporary files of an interrupted write are removed on the way.
+    The main process also removes temporary files an interrupted write left (see
+    :func:`temporary_path`) in ``save_dir`` and in the named checkpoint's directory;
+    they are never read. Other processes leave them alone: all would race to delete
+    the same files.
     """
-    for leftover in glob.glob(os.path.join(save_dir, f"*{_TMP_SUFFIX}*")):
-        logger.warning(f"Removing {leftover}, left by an interrupted checkpoint write")
-        os.remove(leftover)
     pointer = os.path.join(save_dir, LAST_CHECKPOINT)
-    if not os.path.isfile(pointer):
-        return None
-    with open(pointer, encoding="utf-8") as f:
-        name = f.read().strip()
-    path = os.path.join(save_dir, name)
-    if not os.path.isfile(path):
+    path = None
+    if os.path.isfile(pointer):
+        with open(pointer, encoding="utf-8") as f:
+            name = f.read().strip()
+        path = os.path.join(save_dir, name)
+    if comm.is_main_process():
+        checkpoint_dir = os.path.dirname(os.path.abspath(path or pointer))
+        for directory in dict.fromkeys((os.path.abspath(save_dir), checkpoint_dir)):
+            _remove_leftover_temporary_files(directory)
+    if path is not None and not os.path.isfile(path):
         raise TrainingError(
             f"{pointer} names {name}, which does not exist. Restore the file or delete {pointer} to start over."
         )
     return path
+
+
+def _remove_leftover_temporary_files(directory: str) -> None:
+    if not os.path.isdir(directory):
+        return
+    for entry in sorted(os.listdir(directory)):
+        leftover = os.path.join(directory, entry)
+        if _TMP_NAME.fullmatch(entry) and os.path.isfile(leftover):
+            logger.warning(f"Removing {leftover}, left by an interrupted checkpoint write")
+            os.remove(leftover)
 
 
 def load_checkpoint(path: str, *, unsafe: bool = False) -> dict[str, Any]:

@@ -14,11 +14,12 @@ import torch.distributed as dist
 from fvcore.common.config import CfgNode
 
 from pet.config import load_cfg
+from pet.engine.trainer import resolve_device
 from pet.utils import comm
 from pet.utils.errors import PetError
 from pet.utils.logger import setup_logger
 
-__all__ = ["default_argument_parser", "default_setup", "launch_cli"]
+__all__ = ["default_argument_parser", "default_setup", "launch_cli", "init_distributed", "distributed_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,16 +36,29 @@ def default_argument_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def init_distributed(local_rank: int | None = None) -> None:
-    """Join the process group described by torchrun's environment (no-op without it)."""
+def distributed_backend(device: torch.device) -> str:
+    """``nccl`` when this process runs on a CUDA device, ``gloo`` otherwise.
+
+    The choice follows the run's device, not whether CUDA exists: a ``DEVICE cpu`` run on
+    a GPU machine needs gloo, because NCCL cannot move CPU tensors.
+    """
+    return dist.Backend.NCCL if device.type == "cuda" else dist.Backend.GLOO
+
+
+def init_distributed(local_rank: int | None = None, device: str = "auto") -> None:
+    """Join the process group described by torchrun's environment (no-op without it).
+
+    ``device`` is the config's ``DEVICE`` (resolved as the trainer does, per ``LOCAL_RANK``);
+    on CUDA it becomes this process's current device and the backend is NCCL, else gloo.
+    """
     if local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend=backend)
+    run_device = resolve_device(device)
+    if run_device.type == "cuda":
+        torch.cuda.set_device(run_device)
+    dist.init_process_group(backend=distributed_backend(run_device))
 
 
 def seed_everything(seed: int) -> None:
@@ -56,7 +70,7 @@ def seed_everything(seed: int) -> None:
 def default_setup(cfg_file: str, opts: list[str], local_rank: int | None = None) -> CfgNode:
     """Load the config, join the process group, set up logging, threads and seeds."""
     cfg = load_cfg(cfg_file, opts)
-    init_distributed(local_rank)
+    init_distributed(local_rank, cfg.DEVICE)
     rank = comm.get_rank()
     setup_logger(cfg.CKPT, rank)
     logger.info(f"Rank {rank} of {comm.get_world_size()}; config {cfg_file}; overrides {opts}")

@@ -53,7 +53,8 @@ def inference_on_dataset(
     """Run ``model`` in eval mode over ``data_loader`` and return ``evaluator.evaluate()``.
 
     ``test_hook`` times the stages (per batch: data, infer, post; iter = all three plus
-    the loop itself); ``hooks`` only receive the callbacks.
+    the loop itself); the periodic ``[Testing]`` line also shows any extra timers (for
+    example ``timed("rpn")`` in model code). ``hooks`` only receive the callbacks.
     """
     test_hook = test_hook or TestHook()
     callbacks = [test_hook, *hooks]
@@ -88,9 +89,12 @@ def inference_on_dataset(
                 hook.after_test_iter(inputs=batch, outputs=outputs)
             test_hook.post_toc()
 
+            # The next iteration's clock starts as this one stops, so iterations tile the loop: logging and
+            # anything else between batches is counted, and iter x batches is the loop's wall time.
             test_hook.iter_toc()
-            test_hook.log_stats(index, start, end, total, test_hook.ims_per_batch)
             test_hook.iter_tic()
+            test_hook.log_stats(index, start, end, total, test_hook.ims_per_batch,
+                                log_all=bool(test_hook.extra_timers))
             test_hook.data_tic()
     model.train(was_training)
 

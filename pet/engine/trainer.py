@@ -30,8 +30,10 @@ from pet.engine.checkpoint import (
 )
 from pet.engine.events import EventStorage
 from pet.engine.hooks.base import HookDispatcher, TrainHook, get_priority
+from pet.engine.hooks.checkpoint import CheckpointHook
 from pet.engine.optim import build_lr_scheduler, build_optimizer
 from pet.utils import comm
+from pet.utils.compile import compile_submodules
 from pet.utils.errors import ConfigError, TrainingError, TrainingInterrupted
 from pet.utils.registry import META_ARCH_REGISTRY
 from pet.utils.tensor import move_to_device
@@ -40,6 +42,9 @@ from pet.utils.weights import load_weights
 __all__ = ["Trainer", "resolve_device", "call_model"]
 
 logger = logging.getLogger(__name__)
+
+# Reduced with the losses each step: the highest signal number any process received (0: none).
+_STOP = "_stop_signal"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -94,6 +99,7 @@ class Trainer:
         if model is None:
             model = META_ARCH_REGISTRY.get(cfg.MODEL.META_ARCHITECTURE)(cfg)
         model.to(self.device)
+        compile_submodules(model, cfg.MODEL.COMPILE)
         if comm.get_world_size() > 1 and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             if self.device.type != "cuda" and any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules()):
                 raise ConfigError("SyncBN (MODEL.BACKBONE.NORM) needs CUDA devices: torch's SyncBatchNorm is GPU-only. "
@@ -126,12 +132,14 @@ class Trainer:
         self.epoch = 0
         self.stop_training = False
         self._stop_signal: int | None = None
+        self._stop_signal_any_rank = 0
         self.nonfinite_skipped = 0
         self.last_step_seconds = 0.0
         self.last_data_seconds = 0.0
         self.storage: EventStorage | None = None
         self.hooks: list[TrainHook] = []
         self._hook_priorities: list[int] = []
+        self._hooks_in_registration_order: list[TrainHook] = []
         self._dispatch = HookDispatcher([])
         if default_hooks:
             from pet.engine.hooks import build_train_hooks
@@ -147,6 +155,7 @@ class Trainer:
         position = sum(1 for p in self._hook_priorities if p <= value)
         self.hooks.insert(position, hook)
         self._hook_priorities.insert(position, value)
+        self._hooks_in_registration_order.append(hook)
         self._dispatch = HookDispatcher(self.hooks)
 
     def register_hooks(self, hooks: Iterable[TrainHook | None]) -> None:
@@ -185,10 +194,26 @@ class Trainer:
         }
         if self.grad_scaler is not None:
             state["grad_scaler"] = self.grad_scaler.state_dict()
-        for hook in self.hooks:
-            if hasattr(hook, "state_dict"):
-                state["hooks"][type(hook).__name__] = hook.state_dict()
+        for key, hook in self._stateful_hooks():
+            state["hooks"][key] = hook.state_dict()
         return state
+
+    def _stateful_hooks(self) -> list[tuple[str, TrainHook]]:
+        """``(key, hook)`` for each hook with a ``state_dict``: its class name, ``Name.1``, ... for repeats.
+
+        Keys follow registration order, not priority, so changing one hook's priority
+        does not swap the states of two hooks of the same class; the first hook of a
+        class keeps the plain name, so checkpoints from before repeats were keyed load.
+        """
+        seen: dict[str, int] = {}
+        keyed = []
+        for hook in self._hooks_in_registration_order:
+            if hasattr(hook, "state_dict"):
+                name = type(hook).__name__
+                repeat = seen.get(name, 0)
+                seen[name] = repeat + 1
+                keyed.append((f"{name}.{repeat}" if repeat else name, hook))
+        return keyed
 
     def save_checkpoint(self, filename: str, *, state: dict[str, Any] | None = None, update_last: bool = True,
                         save_dir: str | None = None) -> str:
@@ -229,10 +254,10 @@ class Trainer:
         self.epoch = self.start_iter // self.iters_per_epoch if self.iters_per_epoch else 0
         if "rng" in state:
             set_rng_state(state["rng"])
-        for hook in self.hooks:
-            hook_state = state.get("hooks", {}).get(type(hook).__name__)
-            if hook_state is not None and hasattr(hook, "load_state_dict"):
-                hook.load_state_dict(hook_state)
+        hook_states = state.get("hooks", {})
+        for key, hook in self._stateful_hooks():
+            if hook_states.get(key) is not None and hasattr(hook, "load_state_dict"):
+                hook.load_state_dict(hook_states[key])
         self.call_hooks("after_load_checkpoint", checkpoint=state)
 
     # ------------------------------------------------------------------ the loop
@@ -305,8 +330,11 @@ class Trainer:
         self.run_step()
         self.call_hooks("after_step")
         self.iter += 1
-        if self._stop_signal is not None and self._all_ranks_stop():
-            self._stop_for_signal()
+        # In a single process the signal is known at once; across processes, every rank learns it from
+        # the step's one reduction (see run_step), so all stop after the same step with no extra collective.
+        signum = self._stop_signal if comm.get_world_size() == 1 else self._stop_signal_any_rank
+        if signum:
+            self._stop_for_signal(signum)
 
     @contextlib.contextmanager
     def _stop_on_signals(self) -> Iterator[None]:
@@ -329,23 +357,28 @@ class Trainer:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def _all_ranks_stop(self) -> bool:
-        # Every rank must stop after the same step, or the next collective would hang.
-        if comm.get_world_size() == 1:
-            return True
-        return bool(comm.reduce_scalars({"stop": 1.0}, maximum=("stop",))["stop"])
-
-    def _stop_for_signal(self) -> None:
-        name = signal.Signals(self._stop_signal).name
-        path = self.save_checkpoint(f"model_iter{self.completed_iters}.pth")
+    def _stop_for_signal(self, signum: int) -> None:
+        # Through the CheckpointHook when there is one: its directory, its kept list and MAX_KEEP.
+        checkpointer = next((hook for hook in self.hooks if isinstance(hook, CheckpointHook)), None)
+        if checkpointer is not None:
+            path = checkpointer.save_now(self)
+        else:
+            path = self.save_checkpoint(f"model_iter{self.completed_iters}.pth")
+        name = signal.Signals(signum).name
         raise TrainingInterrupted(
             f"Training stopped by {name} after iteration {self.completed_iters}; checkpoint {path}. "
             "Run the same command to resume from it.",
-            exit_code=128 + int(self._stop_signal),
+            exit_code=128 + signum,
         )
 
     def run_step(self) -> None:
-        """One iteration: fetch a batch, forward, check the loss is finite, backward, step."""
+        """One iteration: fetch a batch, forward, check the loss is finite, backward, step.
+
+        The loss terms are averaged over processes (data time: the slowest) before the
+        finite check, so every process takes the same decision: one raising or skipping
+        while the others wait in backward's all-reduce would hang a distributed run. The
+        same reduction tells every process whether any of them was asked to stop (SIGTERM).
+        """
         start = time.perf_counter()
         batch = next(self._data_iter)
         if self.device.type != "cpu":
@@ -368,10 +401,14 @@ class Trainer:
         # One device sync for all terms (item() per term would sync once each on CUDA).
         values = [t.detach().item() for t in terms] if len(terms) == 1 or self.device.type == "cpu" else (
             torch.stack([t.detach().float() for t in terms]).tolist())
-        loss_values = dict(zip(loss_dict, values))
-        total = sum(values)
+        local = dict(zip(loss_dict, values), total_loss=sum(values), data_time=data_seconds)
+        # The one reduction of this step; _STOP carries the signal a rank received (0: none).
+        reduced = comm.reduce_scalars({**local, _STOP: float(self._stop_signal or 0)}, maximum=("data_time", _STOP))
+        self._stop_signal_any_rank = int(reduced[_STOP])
+        metrics = {name: reduced[name] for name in local}  # in the model's order, for the log
+        loss_values = {name: metrics[name] for name in loss_dict}
 
-        if math.isfinite(total):
+        if math.isfinite(metrics["total_loss"]):
             self.optimizer.zero_grad(set_to_none=True)
             if self.grad_scaler is not None:
                 self.grad_scaler.scale(losses).backward()
@@ -388,7 +425,7 @@ class Trainer:
 
         self.last_data_seconds = data_seconds
         self.last_step_seconds = time.perf_counter() - start
-        self._put_metrics(loss_values, total, data_seconds)
+        self._put_metrics(metrics)
 
     def _clip_gradients(self) -> None:
         if self.cfg.SOLVER.CLIP_GRAD_NORM > 0:
@@ -409,9 +446,8 @@ class Trainer:
             "SOLVER.SKIP_NONFINITE True skips such steps instead."
         )
 
-    def _put_metrics(self, loss_values: dict[str, float], total: float, data_seconds: float) -> None:
-        metrics = dict(loss_values, total_loss=total, data_time=data_seconds)
-        metrics = comm.reduce_scalars(metrics, maximum=("data_time",))
+    def _put_metrics(self, metrics: dict[str, float]) -> None:
+        """Store this step's metrics, already reduced over processes."""
         storage = self.storage
         for name, value in metrics.items():
             storage.put_scalar(name, value)

@@ -29,8 +29,23 @@ def synchronize() -> None:
         dist.barrier()
 
 
+def collective_device() -> torch.device:
+    """Where a tensor handed to a collective must live: the current CUDA device under NCCL, else the CPU.
+
+    NCCL only moves CUDA tensors and gloo is used for CPU runs, so every helper here
+    that builds a tensor puts it on this device.
+    """
+    if is_distributed() and dist.get_backend() == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_gather_object(obj: Any) -> list[Any]:
-    """``[obj of rank 0, obj of rank 1, ...]`` on every rank."""
+    """``[obj of rank 0, obj of rank 1, ...]`` on every rank.
+
+    Under NCCL, torch moves the pickled bytes through the current CUDA device, which
+    :func:`pet.engine.defaults.init_distributed` sets to this process's GPU.
+    """
     if get_world_size() == 1:
         return [obj]
     gathered: list[Any] = [None] * get_world_size()
@@ -45,7 +60,7 @@ def reduce_scalars(
     if get_world_size() == 1 or not values:
         return values
     names = sorted(values)
-    tensor = torch.tensor([values[n] for n in names], dtype=torch.float64)
+    tensor = torch.tensor([values[n] for n in names], dtype=torch.float64, device=collective_device())
     summed = tensor.clone()
     dist.all_reduce(summed)
     if average:

@@ -10,6 +10,11 @@ model can time a part of itself by name::
 
 and the figure shows up in the test speed summary. Outside testing ``timed`` costs a
 function call and does nothing.
+
+On GPU, kernels run asynchronously: ``timed`` calls the owner's ``wait()`` before it
+starts and before it stops the timer, so the figure covers the block's own GPU work
+(not work queued before it, nor only the kernel launches). ``TestHook.wait`` synchronises
+only when the model is on CUDA, so on CPU this costs nothing.
 """
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ from typing import Protocol
 
 
 class _TimerOwner(Protocol):
+    def wait(self) -> None: ...
+
     def tic(self, name: str) -> None: ...
 
     def toc(self, name: str) -> None: ...
@@ -34,10 +41,12 @@ def timed(name: str) -> Iterator[None]:
         yield
         return
     owner = _ACTIVE[-1]
+    owner.wait()
     owner.tic(name)
     try:
         yield
     finally:
+        owner.wait()
         owner.toc(name)
 
 

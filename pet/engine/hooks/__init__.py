@@ -21,6 +21,7 @@ Default order (lower priority value runs first; equal values keep this order):
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from fvcore.common.config import CfgNode
@@ -35,6 +36,7 @@ from pet.engine.hooks.evaluation import EvalHook, default_eval_function, metric_
 from pet.engine.hooks.misc import EmptyCacheHook, ProfilerHook, SyncBuffersHook
 from pet.engine.hooks.test_hook import TestHook
 from pet.utils import comm
+from pet.utils.errors import ConfigError
 from pet.utils.registry import Registry, build_from_spec
 
 __all__ = [
@@ -62,6 +64,7 @@ __all__ = [
     "metric_rule",
     "build_train_hooks",
     "build_writers",
+    "writer_class",
     "build_custom_hooks",
 ]
 
@@ -78,11 +81,25 @@ def build_writers(cfg: CfgNode, max_iter: int, start_iter: int = 0) -> list[Even
     if cfg.TRAIN.USE_TENSORBOARD:
         writers.append(TensorboardXWriter(cfg.CKPT, start_iter=start_iter))
     for spec in cfg.TRAIN.WRITERS:
-        writer = build_from_spec(WRITERS, spec, output_dir=cfg.CKPT)
-        if not isinstance(writer, EventWriter):
-            raise TypeError(f"TRAIN.WRITERS entry {dict(spec)} built {type(writer).__name__}, not an EventWriter")
-        writers.append(writer)
+        writer_class(spec)
+        writers.append(build_from_spec(WRITERS, spec, output_dir=cfg.CKPT))
     return writers
+
+
+def writer_class(spec: Mapping[str, Any]) -> type[EventWriter]:
+    """The EventWriter subclass a ``TRAIN.WRITERS`` entry names, imported but not built.
+
+    Writers open their files when built, at the start of training; resolving the names
+    first turns a typo or a dotted path that does not import into a ConfigError before
+    anything is written.
+    """
+    name = spec.get("type", spec.get("TYPE"))
+    if not name:
+        raise ConfigError(f"TRAIN.WRITERS entry {dict(spec)} has no 'type': name a registered writer or a dotted path")
+    cls = WRITERS.get(name)
+    if not (isinstance(cls, type) and issubclass(cls, EventWriter)):
+        raise ConfigError(f"TRAIN.WRITERS entry {dict(spec)} names {cls!r}, which is not an EventWriter subclass")
+    return cls
 
 
 def build_custom_hooks(specs: list[dict[str, Any]], output_dir: str) -> list[TrainHook]:
@@ -102,7 +119,7 @@ def build_train_hooks(cfg: CfgNode, trainer: Any) -> list[TrainHook]:
     """The default hooks for ``cfg`` (order: see the module docstring). Only the main process writes."""
     hooks: list[TrainHook] = [IterationTimer(), LRScheduler()]
     if cfg.TEST.PRECISE_BN.ENABLED:
-        hooks.append(PreciseBN(cfg.TEST.PRECISE_BN.PERIOD, cfg.TEST.PRECISE_BN.NUM_ITER))
+        hooks.append(PreciseBN.from_config(cfg))
     h = cfg.HOOKS
     if h.EMA.ENABLED:
         hooks.append(EMAHook(h.EMA.MOMENTUM, h.EMA.INTERVAL, h.EMA.BEGIN_ITER, h.EMA.BEGIN_EPOCH, h.EMA.ANNEAL_ITERS))
@@ -125,6 +142,8 @@ def build_train_hooks(cfg: CfgNode, trainer: Any) -> list[TrainHook]:
     if h.PROFILER.ENABLED:
         p = h.PROFILER
         hooks.append(ProfilerHook(p.START_ITER, p.END_ITER, p.OUTPUT, cfg.CKPT))
+    for spec in cfg.TRAIN.WRITERS:  # on every process: all must fail together, before anything is written
+        writer_class(spec)
     if comm.is_main_process():
         hooks.append(
             PeriodicWriter(lambda t: build_writers(cfg, t.max_iter, t.start_iter), period=cfg.DISPLAY_ITER)

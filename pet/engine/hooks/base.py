@@ -75,7 +75,8 @@ class TrainHook:
     ``priority`` (class attribute, default NORMAL) orders hooks; it can be overridden
     per instance at registration. A hook with state that must survive a resume
     implements ``state_dict()`` / ``load_state_dict(state)``; the checkpoint stores it
-    under the hook's class name.
+    under the hook's class name, and under ``Name.1``, ``Name.2``, ... for further hooks
+    of the same class, in registration order (register them in the same order to resume).
     """
 
     priority: int | str | Priority = Priority.NORMAL
@@ -127,7 +128,11 @@ class HookDispatcher:
     """Calls one mount point on every hook that overrides it, in priority order.
 
     Hooks that keep a point's no-op are skipped, so an idle mount point costs nothing.
-    The time spent in each (hook, point) is accumulated for :meth:`cost_table`.
+    The time spent in each (hook, point) is accumulated for :meth:`cost_table`. It is the
+    hook's own time: a hook that dispatches again through the same dispatcher (EvalHook
+    calling ``before_val`` / ``after_val`` on every hook, a checkpoint write calling
+    ``before_save_checkpoint``) is not charged for the hooks it triggers, so the table's
+    totals add up to the time spent in hooks, each counted once.
     """
 
     def __init__(self, hooks: Iterable[TrainHook]) -> None:
@@ -142,28 +147,40 @@ class HookDispatcher:
         self._seconds = [[0.0] * len(MOUNT_POINTS) for _ in self.hooks]
         self._counts = [[0] * len(MOUNT_POINTS) for _ in self.hooks]
         self._point_index = {point: i for i, point in enumerate(MOUNT_POINTS)}
+        self._charged = 0.0  # every second charged so far, nested calls included
 
     def __call__(self, point: str, **kwargs: Any) -> None:
         column = self._point_index[point]
         clock = time.perf_counter
         for index, method in self._calls[point]:
+            # What nested dispatches charge during this call is their hooks' time, not this one's.
+            charged_before = self._charged
             start = clock()
             method(**kwargs)
-            self._seconds[index][column] += clock() - start
+            own = clock() - start - (self._charged - charged_before)
+            self._seconds[index][column] += own
+            self._charged += own
             self._counts[index][column] += 1
 
     def total_seconds(self) -> float:
-        return sum(map(sum, self._seconds))
+        """Seconds spent in hooks, each counted once."""
+        return self._charged
+
+    def costs(self) -> list[tuple[TrainHook, str, int, float]]:
+        """``(hook, point, calls, own seconds)`` for every (hook, point) that ran, in hook order."""
+        return [
+            (hook, point, self._counts[index][column], self._seconds[index][column])
+            for index, hook in enumerate(self.hooks)
+            for column, point in enumerate(MOUNT_POINTS)
+            if self._counts[index][column]
+        ]
 
     def cost_table(self) -> str:
-        """A table of hook, point, calls, total ms and ms/call for every point that ran."""
-        rows = []
-        for index, hook in enumerate(self.hooks):
-            for column, point in enumerate(MOUNT_POINTS):
-                calls = self._counts[index][column]
-                if calls:
-                    total_ms = self._seconds[index][column] * 1000
-                    rows.append((repr(hook), point, str(calls), f"{total_ms:.1f}", f"{total_ms / calls:.3f}"))
+        """A table of hook, point, calls, total ms and ms/call (own time) for every point that ran."""
+        rows = [
+            (repr(hook), point, str(calls), f"{seconds * 1000:.1f}", f"{seconds * 1000 / calls:.3f}")
+            for hook, point, calls, seconds in self.costs()
+        ]
         return format_table(("hook", "point", "calls", "total ms", "ms/call"), rows)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from pet.engine.checkpoint import atomic_write_bytes, load_checkpoint, write_last_checkpoint
+from pet.engine.checkpoint import atomic_write_bytes, load_checkpoint, temporary_path, write_last_checkpoint
 from pet.engine.hooks.base import HOOKS, Priority, TrainHook
 from pet.engine.hooks.evaluation import EvalHook, is_better, metric_rule
 from pet.utils import comm
@@ -42,7 +42,8 @@ class CheckpointHook(TrainHook):
     or epochs with ``by_epoch``; ``interval <= 0``: none but the last), and, with
     ``save_last``, after the last iteration, which is also published as ``model_final.pth``
     (a hard link: no extra disk). A run stopped through ``trainer.stop_training``
-    (early stopping) gets that last checkpoint too; a failed run does not. ``max_keep`` > 0
+    (early stopping) gets that last checkpoint too, a run stopped by SIGTERM / SIGINT a
+    regular one (:meth:`save_now`, called by the trainer); a failed run none. ``max_keep`` > 0
     keeps only the newest N regular checkpoints this hook knows of (best ones never
     count). ``save_optimizer`` / ``save_scheduler`` False make them smaller but a resume
     then restarts the optimizer's momentum / the schedule.
@@ -136,17 +137,16 @@ class CheckpointHook(TrainHook):
             return  # a failed or interrupted run: its last good checkpoint stays the newest
         improved = self._update_best(completed)  # a validation run by EvalHook.after_train
         if self.save_last or trainer.stop_training:
-            last = os.path.join(self._dir(trainer), self.last_saved_name)
-            if self.last_saved_iter != completed or not os.path.isfile(last):
-                self._save_regular(trainer, self._last_name(trainer, completed), completed)
+            self._save_unless_saved(trainer, completed)
             self._write_final(trainer)
         self._save_best(trainer, improved, completed)
         if self.published_keys and (self.save_last or trainer.stop_training):
             self._publish(trainer)
 
     def after_load_checkpoint(self, trainer: Any, checkpoint: dict[str, Any], **kwargs: Any) -> None:
-        # A checkpoint the trainer wrote itself (on SIGTERM) is a regular one this hook did not
-        # record: adopt it so MAX_KEEP prunes it and a finished run links it as final.
+        # A checkpoint the trainer wrote itself (a signal stop in a run without this hook) is a
+        # regular one this hook did not record: adopt it so MAX_KEEP prunes it and a finished
+        # run links it as final.
         completed = int(checkpoint.get("iter", -1))
         name = f"model_iter{completed}.pth"
         if name not in self.kept and os.path.isfile(os.path.join(self._dir(trainer), name)):
@@ -154,6 +154,22 @@ class CheckpointHook(TrainHook):
             self.last_saved_iter, self.last_saved_name = completed, name
 
     # ------------------------------------------------------------------ regular checkpoints
+    def save_now(self, trainer: Any) -> str:
+        """Save the iterations completed so far as a regular checkpoint now; its path.
+
+        For a stop outside the schedule (SIGTERM / SIGINT): the file goes where this hook
+        writes, joins the kept list (MAX_KEEP applies) and ``last_checkpoint`` names it. When
+        this step's checkpoint is already written, nothing is written twice. Call it on every
+        process (the book-keeping must match); only the main process writes.
+        """
+        self._save_unless_saved(trainer, trainer.iter)
+        return os.path.join(self._dir(trainer), self.last_saved_name)
+
+    def _save_unless_saved(self, trainer: Any, completed: int) -> None:
+        last = os.path.join(self._dir(trainer), self.last_saved_name)
+        if self.last_saved_iter != completed or not os.path.isfile(last):
+            self._save_regular(trainer, self._last_name(trainer, completed), completed)
+
     def _due(self, step: int) -> bool:
         return self.interval > 0 and step >= self.save_begin and (step - self.save_begin) % self.interval == 0
 
@@ -203,7 +219,7 @@ class CheckpointHook(TrainHook):
         directory = self._dir(trainer)
         source = os.path.join(directory, self.last_saved_name)
         target = os.path.join(directory, "model_final.pth")
-        tmp = f"{target}.tmp{os.getpid()}"
+        tmp = temporary_path(target)
         try:
             if os.path.exists(tmp):
                 os.remove(tmp)

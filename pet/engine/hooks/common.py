@@ -9,10 +9,12 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from fvcore.common.config import CfgNode
 from fvcore.nn.precise_bn import get_bn_modules, update_bn_stats
 
 from pet.engine.events import EventStorage, EventWriter, read_metrics
 from pet.engine.hooks.base import HOOKS, Priority, TrainHook
+from pet.utils.errors import ConfigError
 from pet.utils.tensor import move_to_device
 
 __all__ = ["PeriodicWriter", "IterationTimer", "LRScheduler", "PreciseBN", "TrainingCurves"]
@@ -173,8 +175,15 @@ class PreciseBN(TrainHook):
     training batches with the weights frozen. A model without training-mode BN layers
     disables the hook (logged once).
 
-    ``data_loader_fn`` returns the loader to draw batches from; a separate loader keeps
-    the training batch sequence untouched. Default: the trainer's loader.
+    ``data_loader_fn`` returns the loader to draw batches from (called once, at the first
+    update). Give it a loader of its own: iterating the trainer's loader while training
+    draws from it would disturb the training batch sequence (with persistent workers,
+    ``iter(DataLoader)`` resets the one iterator both share). Default: the trainer's
+    loader, only for loaders whose ``iter()`` gives independent iterators (a persistent-worker
+    DataLoader is refused in ``before_train``). :meth:`from_config` builds a separate one.
+
+    The number of batches drawn is checkpointed, so a resumed run continues the PreciseBN
+    stream where it stopped (for loaders with ``set_start_iter``, as Pet's are).
     """
 
     priority = Priority.ABOVE_NORMAL
@@ -190,12 +199,36 @@ class PreciseBN(TrainHook):
         self._data_loader_fn = data_loader_fn
         self._loader: Iterable[Any] | None = None
         self._batches: Iterator[Any] | None = None
+        self._batches_drawn = 0
         self._disabled = False
+
+    @classmethod
+    def from_config(cls, cfg: CfgNode) -> PreciseBN:
+        """``TEST.PRECISE_BN`` settings, drawing from a second loader over ``TRAIN.DATASETS`` (as detectron2 does).
+
+        The loader is built at the first update, not here, so a run that never gets there
+        pays nothing. A Trainer given its own ``data_loader`` should register
+        ``PreciseBN(data_loader_fn=...)`` itself to estimate on that data.
+        """
+
+        def build_loader() -> Iterable[Any]:
+            from pet.data import build_train_loader  # lazily, as the trainer does: the engine never needs it otherwise
+
+            logger.info(f"PreciseBN draws its batches from a separate loader over {list(cfg.TRAIN.DATASETS)}.")
+            return build_train_loader(cfg)
+
+        return cls(cfg.TEST.PRECISE_BN.PERIOD, cfg.TEST.PRECISE_BN.NUM_ITER, build_loader)
 
     def before_train(self, trainer: Any, **kwargs: Any) -> None:
         if not get_bn_modules(trainer.model):
             logger.info("PreciseBN is disabled: the model has no BatchNorm layer in training mode.")
             self._disabled = True
+        elif self._data_loader_fn is None and getattr(trainer.data_loader, "persistent_workers", False):
+            raise ConfigError(
+                "PreciseBN cannot draw from the trainer's loader: it has persistent workers, so iterating it would "
+                "restart the training batch sequence. Give PreciseBN a data_loader_fn (PreciseBN.from_config(cfg) "
+                "builds a separate training loader)."
+            )
 
     def after_step(self, trainer: Any, **kwargs: Any) -> None:
         if self._disabled:
@@ -210,15 +243,35 @@ class PreciseBN(TrainHook):
         with torch.no_grad():
             update_bn_stats(_CallWithBatch(trainer.model), batches, self.num_iter)
 
+    def state_dict(self) -> dict[str, int]:
+        return {"batches_drawn": self._batches_drawn}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._batches_drawn = int(state.get("batches_drawn", 0))
+
     def _next_batches(self, trainer: Any) -> Iterator[Any]:
-        if self._loader is None:
-            self._loader = self._data_loader_fn() if self._data_loader_fn else trainer.data_loader
+        if self._loader is None and self._data_loader_fn is None:
+            self._loader = trainer.data_loader  # the trainer positions it on resume; leave that alone
+        elif self._loader is None:
+            self._loader = self._data_loader_fn()
+            self._skip_to_resume_point()
         for _ in range(self.num_iter):
             batch = next(self._batches, None) if self._batches is not None else None
             if batch is None:  # first use, or a finite (epoch-mode) loader ran out: start it again
                 self._batches = iter(self._loader)
                 batch = next(self._batches)
+            self._batches_drawn += 1
             yield batch
+
+    def _skip_to_resume_point(self) -> None:
+        """After a resume, make this hook's own loader start where the interrupted run's stream was."""
+        if not self._batches_drawn or not hasattr(self._loader, "set_start_iter"):
+            return
+        try:
+            position = self._batches_drawn % len(self._loader)  # type: ignore[arg-type]
+        except TypeError:  # an infinite loader has no length
+            position = self._batches_drawn
+        self._loader.set_start_iter(position)
 
 
 @HOOKS.register()

@@ -99,6 +99,11 @@ class TestHook:
         else:
             self.timers[name].reset()
 
+    @property
+    def extra_timers(self) -> list[str]:
+        """Names of the timers beyond the default four (added by the user or from model code), in creation order."""
+        return [name for name in self.timers if name not in self.DEFAULT_TIMERS]
+
     def tic(self, name: str) -> None:
         self.add_timer(name).tic()
 
@@ -133,7 +138,8 @@ class TestHook:
     ) -> None:
         """Log ``[Testing][range:a-b of N][i/n][T s = D s + I s + P s][eta: ...]`` every logperiod batches.
 
-        Times are per image, averaged over the timed (non-warm-up) iterations.
+        Times are per image, averaged over the timed (non-warm-up) iterations. ``log_all``
+        adds ``[name: X s]`` for each extra timer, before the ETA.
         """
         num_batches = -(-(end_ind - start_ind) // ims_per_gpu)
         if cur_idx % self.logperiod and cur_idx != num_batches:
@@ -146,9 +152,7 @@ class TestHook:
             f" + {per_image['post']:.3f}s]"
         )
         if log_all:
-            line += "".join(
-                f"[{name}: {value:.3f}s]" for name, value in per_image.items() if name not in self.DEFAULT_TIMERS
-            )
+            line += "".join(f"[{name}: {per_image[name]:.3f}s]" for name in self.extra_timers)
         line += f"[eta: {datetime.timedelta(seconds=int(eta))}]"
         if suffix:
             line += suffix

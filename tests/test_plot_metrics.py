@@ -1,0 +1,64 @@
+"""tools/plot_metrics.py as a user runs it: several metrics.json files overlaid in one PNG, clear errors."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "tools", "plot_metrics.py")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _write_metrics(path, scale: float) -> str:
+    """Training records every 10 iterations, validation AP at 50 and 100 (separate records, as EvalHook writes)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        for it in range(10, 101, 10):
+            cls, box = scale * math.exp(-it / 40), scale * 0.5 * math.exp(-it / 60)
+            record = {"iteration": it, "total_loss": cls + box, "loss_cls": cls, "loss_box_reg": box,
+                      "lr": 0.02 * 0.5 * (1 + math.cos(math.pi * it / 100)), "time": 0.1, "data_time": 0.01}
+            if it in (50, 100):
+                record.update({"bbox/AP": 30.0 * it / 100 / scale, "bbox/AP50": 60.0 * it / 100 / scale})
+            f.write(json.dumps(record) + "\n")
+    return str(path)
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, MPLBACKEND="Agg"))
+
+
+def test_two_runs_overlaid_in_a_valid_png(tmp_path):
+    first = _write_metrics(tmp_path / "run_a" / "metrics.json", 1.0)
+    second = _write_metrics(tmp_path / "run_b" / "metrics.json", 1.5)
+    out = tmp_path / "compare" / "curves.png"
+    proc = _run(first, second, "--out", str(out), "--labels", "a", "b")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(out)
+    data = out.read_bytes()
+    assert data.startswith(PNG_SIGNATURE) and len(data) > 20_000  # four panels of curves, not an empty canvas
+
+
+def test_default_output_is_next_to_the_first_file(tmp_path):
+    metrics = _write_metrics(tmp_path / "run" / "metrics.json", 1.0)
+    assert _run(metrics).returncode == 0
+    assert (tmp_path / "run" / "curves.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_missing_or_empty_file_is_a_one_line_error(tmp_path):
+    good = _write_metrics(tmp_path / "run" / "metrics.json", 1.0)
+    missing = str(tmp_path / "nope" / "metrics.json")
+    empty = tmp_path / "empty.json"
+    empty.write_text("\n")
+    for args, message in [
+        ((good, missing), f"Error: metrics file not found: {missing}"),
+        ((str(empty),), f"Error: no metrics records (JSON lines) in {empty}"),
+        ((good, "--labels", "a", "b"), "Error: give one --labels entry per metrics file"),
+    ]:
+        proc = _run(*args, "--out", str(tmp_path / "out.png"))
+        assert proc.returncode != 0
+        assert proc.stderr.strip() == message
+    assert not (tmp_path / "out.png").exists()
