@@ -1,8 +1,10 @@
 """Shared fixtures: a tiny regression model and loaders that cost nothing to run."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -106,3 +108,26 @@ def random_padded_batch(sizes: list[tuple[int, int]], seed: int = 1) -> tuple[li
     for padded, image in zip(batch, images):
         padded[:, : image.shape[1], : image.shape[2]] = image
     return images, batch
+
+
+def run_two_ranks(worker: Any, init_file: Any, *args: Any, timeout: float = 120) -> list[Any]:
+    """Run ``worker(rank, init_file, *args, queue)`` in two processes; what they put on the queue, sorted.
+
+    Spawned, not forked: a fork copies torch's OpenMP thread pool, which hangs the child once an
+    earlier test has used it. A hang shows up as ``queue.Empty`` after ``timeout``; both
+    processes must exit cleanly.
+    """
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    workers = [context.Process(target=worker, args=(rank, init_file, *args, queue)) for rank in range(2)]
+    for process in workers:
+        process.start()
+    try:
+        results = sorted(queue.get(timeout=timeout) for _ in workers)
+    finally:
+        for process in workers:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    assert [process.exitcode for process in workers] == [0, 0]
+    return results

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import re
 import shutil
@@ -12,6 +11,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import run_two_ranks
 
 from pet.data import generate_shapes
 from pet.engine import defaults
@@ -220,15 +220,7 @@ def _reduce_worker(rank, init_file, queue):
 
 
 def test_reduce_scalars_under_gloo_averages_and_takes_the_max(tmp_path):
-    context = multiprocessing.get_context("spawn")  # fork would copy torch's busy OpenMP pool
-    queue = context.Queue()
-    workers = [context.Process(target=_reduce_worker, args=(r, tmp_path / "init", queue)) for r in range(2)]
-    for worker in workers:
-        worker.start()
-    results = sorted(queue.get(timeout=60) for _ in workers)
-    for worker in workers:
-        worker.join(timeout=60)
-        assert worker.exitcode == 0
+    results = run_two_ranks(_reduce_worker, tmp_path / "init", timeout=60)
     assert [rank for rank, _, _ in results] == [0, 1]
     for _, device, reduced in results:
         assert device == "cpu"

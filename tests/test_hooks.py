@@ -4,7 +4,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import multiprocessing
 import os
 import re
 import sys
@@ -13,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import IndexedToyLoader, ToyLoader, ToyModel
+from conftest import IndexedToyLoader, ToyLoader, ToyModel, run_two_ranks
 
 from pet.config import load_cfg
 from pet.engine.checkpoint import read_last_checkpoint
@@ -604,15 +603,7 @@ def _sync_worker(rank, init_file, queue):
 
 
 def test_sync_buffers_averages_float_buffers_across_processes(tmp_path):
-    context = multiprocessing.get_context("spawn")  # fork would copy torch's busy OpenMP pool
-    queue = context.Queue()
-    workers = [context.Process(target=_sync_worker, args=(r, tmp_path / "init", queue)) for r in range(2)]
-    for worker in workers:
-        worker.start()
-    results = sorted(queue.get(timeout=60) for _ in workers)
-    for worker in workers:
-        worker.join(timeout=60)
-        assert worker.exitcode == 0
+    results = run_two_ranks(_sync_worker, tmp_path / "init", timeout=60)
     for rank, mean, var, tracked in results:
         assert mean == [0.5] * 3 and var == [2.0] * 3 and tracked == rank  # integer buffers untouched
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import multiprocessing
 import os
 import random
 import re
@@ -14,7 +13,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import IndexedToyLoader, ToyModel
+from conftest import IndexedToyLoader, ToyModel, run_two_ranks
 
 from pet.config import load_cfg
 from pet.engine.checkpoint import read_last_checkpoint
@@ -235,20 +234,8 @@ def test_a_nan_on_one_rank_stops_or_skips_on_every_rank_without_hanging(tmp_path
     opts = ["CKPT", str(tmp_path / "run"), "DEVICE", "cpu", "SOLVER.MAX_ITER", "6", "SOLVER.BASE_LR", "0.01",
             "SOLVER.WARMUP_ITERS", "0", "TRAIN.SAVE_AS_JSON", "False", "DISPLAY_ITER", "100",
             "SOLVER.SKIP_NONFINITE", str(skip)]
-    context = multiprocessing.get_context("spawn")  # fork would copy torch's busy OpenMP pool
-    queue = context.Queue()
-    workers = [context.Process(target=_nonfinite_worker, args=(r, tmp_path / "init", opts, queue)) for r in range(2)]
-    for worker in workers:
-        worker.start()
-    try:
-        results = sorted(queue.get(timeout=120) for _ in workers)  # a hang shows up here as queue.Empty
-    finally:
-        for worker in workers:
-            worker.join(timeout=30)
-            if worker.is_alive():
-                worker.kill()
+    results = run_two_ranks(_nonfinite_worker, tmp_path / "init", opts)  # a hang: queue.Empty
     assert results == [(0, *expected), (1, *expected)]
-    assert all(worker.exitcode == 0 for worker in workers)
 
 
 class SignalRankOne(TrainHook):
@@ -278,18 +265,7 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     """The signal travels in the step's reduction: no rank waits in a collective the others never join."""
     opts = ["CKPT", str(tmp_path / "run"), "DEVICE", "cpu", "SOLVER.MAX_ITER", "8", "SOLVER.BASE_LR", "0.01",
             "SOLVER.WARMUP_ITERS", "0", "TRAIN.SAVE_AS_JSON", "False", "DISPLAY_ITER", "100"]
-    context = multiprocessing.get_context("spawn")  # fork would copy torch's busy OpenMP pool
-    queue = context.Queue()
-    workers = [context.Process(target=_signal_worker, args=(r, tmp_path / "init", opts, queue)) for r in range(2)]
-    for worker in workers:
-        worker.start()
-    try:
-        results = sorted(queue.get(timeout=120) for _ in workers)  # a hang shows up here as queue.Empty
-    finally:
-        for worker in workers:
-            worker.join(timeout=30)
-            if worker.is_alive():
-                worker.kill()
+    results = run_two_ranks(_signal_worker, tmp_path / "init", opts)  # a hang: queue.Empty
     # Rank 1 is signalled during step 3's hooks; the next step's reduction carries it to rank 0.
     assert results == [(r, "Training stopped by SIGTERM after iteration 4", 4) for r in range(2)]
     assert read_last_checkpoint(str(tmp_path / "run")).endswith("model_iter4.pth")

@@ -1,8 +1,9 @@
 """Side-by-side benchmarks; each prints a table and writes JSON.
 
     python tools/benchmark.py engine [--iters 5000] [--repeats 3] [--out FILE]
-    python tools/benchmark.py model [--arch faster_rcnn retinanet fcos mask_rcnn] [--size 512] [--batch 2]
+    python tools/benchmark.py train [--arch faster_rcnn retinanet fcos mask_rcnn] [--size 512] [--batch 2]
                                     [--threads 2] [--iters 3] [--repeats 3] [--out FILE]
+    python tools/benchmark.py infer [the same options as train]
     python tools/benchmark.py data [--workers 0 1] [--batches 40] [--repeats 5] [--out FILE]
 
 engine: per-iteration overhead of Pet's Trainer (default hooks and writers) over a
@@ -13,9 +14,10 @@ the benchmark's own environment). Per-iteration time is the steady state, clocke
 lowest-priority hook after every iteration (see _StepClock); the time with building and
 finishing the run is printed next to it. Runs are interleaved and repeated; the median counts.
 
-model: Pet's R-50-FPN detectors against torchvision's (fasterrcnn/retinanet/fcos/maskrcnn_resnet50_fpn)
-holding the same random weights: seconds per training step (forward, backward) and milliseconds
-per image in inference at batch 1 and at --batch, on the same random images, interleaved.
+train / infer: Pet's R-50-FPN detectors against torchvision's (fasterrcnn/retinanet/fcos/
+maskrcnn_resnet50_fpn) holding the same random weights, on the same random images, interleaved:
+seconds per training step (forward, backward) at --batch, or milliseconds per image in inference
+at batch 1 and at --batch.
 
 data: images/s of Pet's training loader as the demo config builds it (opencv decode of
 the shapes JPEGs, multi-scale shorter-side resize, flip, boxes, batching) against PIL
@@ -277,17 +279,19 @@ def _infer(m: torch.nn.Module, *inputs: Any) -> None:
         m(*inputs)
 
 
-def _arch_cases(arch: str, size: int, batch: int) -> dict[str, tuple[Callable, Callable, float]]:
-    """``case -> (Pet's step, torchvision's step, seconds-to-reported-unit factor)`` for one architecture."""
+def _arch_cases(arch: str, size: int, batch: int, kind: str) -> dict[str, tuple[Callable, Callable, float]]:
+    """``case -> (Pet's step, torchvision's step, seconds-to-reported-unit factor)`` for one architecture;
+    ``kind`` "train" gives the training step, "infer" inference at batch 1 and at ``batch``."""
     pet_model, reference = _model_pair(arch, size)
     images, targets = _random_scene(batch, size)
     if arch == "mask_rcnn":
         targets = _with_masks(targets, size)
     tv_images = [im.float() / 255 for im in images]
     tv_targets = [{k: t[k] for k in ("boxes", "labels", "masks") if k in t} for t in targets]
+    if kind == "train":
+        return {f"train b{batch}": (partial(_train_step, pet_model, images, targets),
+                                    partial(_train_step, reference, tv_images, tv_targets), 1.0)}
     return {
-        f"train b{batch}": (partial(_train_step, pet_model, images, targets),
-                            partial(_train_step, reference, tv_images, tv_targets), 1.0),
         "infer b1": (partial(_infer, pet_model, images[:1], targets[:1]),
                      partial(_infer, reference, tv_images[:1]), 1000.0),
         f"infer b{batch}": (partial(_infer, pet_model, images, targets),
@@ -295,7 +299,7 @@ def _arch_cases(arch: str, size: int, batch: int) -> dict[str, tuple[Callable, C
     }
 
 
-def model(args: argparse.Namespace) -> dict:
+def detectors(args: argparse.Namespace) -> dict:
     """Pet's detectors against torchvision's on the same weights, inputs and work, interleaved.
 
     torchvision's models take float images in [0, 1] and normalise (and resize, here by a factor
@@ -304,18 +308,19 @@ def model(args: argparse.Namespace) -> dict:
     """
     torch.set_num_threads(args.threads)
     result: dict = {"size": args.size, "batch": args.batch, "threads": args.threads, "archs": {}}
+    unit = "s/iter" if args.command == "train" else "ms/image"
     print(f"{args.size}x{args.size} random images with 4 boxes each, fp32, {args.threads} thread(s), median of "
-          f"{args.repeats} interleaved runs of {args.iters} iterations (train: s/iter; infer: ms/image)")
+          f"{args.repeats} interleaved runs of {args.iters} iterations ({unit})")
     print(f"{'model':<12} {'case':<10} {'Pet':>10} {'torchvision':>12} {'Pet/tv':>8}")
     for arch in args.arch:
         result["archs"][arch] = {}
-        for case, (pet_fn, tv_fn, unit) in _arch_cases(arch, args.size, args.batch).items():
+        for case, (pet_fn, tv_fn, factor) in _arch_cases(arch, args.size, args.batch, args.command).items():
             samples: dict[str, list[float]] = {"pet": [], "torchvision": []}
             for _ in range(args.repeats):  # interleaved: machine noise hits both alike
                 samples["pet"].append(_time(pet_fn, args.iters))
                 samples["torchvision"].append(_time(tv_fn, args.iters))
             med = {k: statistics.median(v) for k, v in samples.items()}
-            row = {"pet": med["pet"] * unit, "torchvision": med["torchvision"] * unit,
+            row = {"pet": med["pet"] * factor, "torchvision": med["torchvision"] * factor,
                    "ratio": med["pet"] / med["torchvision"], "samples_s": samples}
             result["archs"][arch][case] = row
             unit_name = "s" if case.startswith("train") else "ms"
@@ -433,14 +438,15 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=5000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="benchmarks/engine.json")
-    p = sub.add_parser("model", help="detectors' train step and inference against torchvision's")
-    p.add_argument("--arch", nargs="+", choices=sorted(ARCHS), default=["faster_rcnn", "retinanet", "fcos"])
-    p.add_argument("--size", type=int, default=512)
-    p.add_argument("--batch", type=int, default=2, help="training batch and the second inference batch")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (the machine's cores by default)")
-    p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default="benchmarks/model.json")
+    for kind, what in (("train", "training step"), ("infer", "inference")):
+        p = sub.add_parser(kind, help=f"detectors' {what} against torchvision's")
+        p.add_argument("--arch", nargs="+", choices=sorted(ARCHS), default=["faster_rcnn", "retinanet", "fcos"])
+        p.add_argument("--size", type=int, default=512)
+        p.add_argument("--batch", type=int, default=2, help="training batch / the second inference batch")
+        p.add_argument("--threads", type=int, default=2, help="torch threads (the machine's cores by default)")
+        p.add_argument("--iters", type=int, default=3)
+        p.add_argument("--repeats", type=int, default=3)
+        p.add_argument("--out", default=f"benchmarks/{kind}.json")
     p = sub.add_parser("data", help="training data pipeline against PIL + torchvision.transforms.v2")
     p.add_argument("--workers", type=int, nargs="+", default=[0],
                    help="DataLoader workers to measure, e.g. 0 1 (the demo config uses 1)")
@@ -450,7 +456,7 @@ def main() -> None:
     args = parser.parse_args()
     result = {"command": " ".join(sys.argv), "machine": f"{platform.processor() or platform.machine()}, "
               f"{os.cpu_count()} cores", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              **{"engine": engine, "model": model, "data": data}[args.command](args)}
+              **{"engine": engine, "train": detectors, "infer": detectors, "data": data}[args.command](args)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
