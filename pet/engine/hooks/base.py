@@ -5,7 +5,7 @@ keyword arguments only (always ``trainer=`` and ``storage=``, plus ``epoch=``/``
 in epoch mode, ``metrics=`` for ``after_val`` and ``checkpoint=`` for the checkpoint
 points), so a hook declares just what it needs and swallows the rest with ``**kwargs``::
 
-    class LossIsFinite(TrainHook):
+    class GradNorm(TrainHook):
         def after_step(self, storage, **kwargs):
             ...
 """
