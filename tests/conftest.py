@@ -131,3 +131,20 @@ def run_two_ranks(worker: Any, init_file: Any, *args: Any, timeout: float = 120)
                 process.kill()
     assert [process.exitcode for process in workers] == [0, 0]
     return results
+
+
+class FakeClock:
+    """A ``time.perf_counter`` stand-in that moves only when told: measured durations are exact on any machine.
+
+    Code under test "takes" time by calling ``advance(seconds)`` instead of sleeping, so a test
+    asserts the exact split a timer must report instead of comparing to wall-clock bounds.
+    """
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds

@@ -49,6 +49,24 @@ def test_missing_file_and_yaml_syntax_error(tmp_path):
         load_cfg(bad)
 
 
+@pytest.mark.parametrize("value, tag", [
+    ('!!python/object/apply:os.system ["touch {marker}"]', "!!python/object/apply:os.system"),
+    ("!!python/object/apply:builtins.open ['{marker}', 'w']", "!!python/object/apply:builtins.open"),
+    ("!!python/object/new:pathlib.Path ['{marker}']", "!!python/object/new:pathlib.Path"),
+    ("!!python/name:os.system", "!!python/name:os.system"),
+], ids=["os.system", "open", "object-new", "name"])
+def test_a_python_tag_is_refused_as_unsafe_naming_file_and_line_and_runs_nothing(tmp_path, value, tag):
+    marker = tmp_path / "marker"
+    evil = write(tmp_path / "evil.yaml", f"SOLVER:\n  MAX_ITER: 10\n  BASE_LR: {value.format(marker=marker)}\n")
+    child = write(tmp_path / "child.yaml", "_BASE_: evil.yaml\nSOLVER:\n  MAX_ITER: 20\n")
+    for cfg_file in (evil, child):  # directly, and inherited through _BASE_: the culprit file is named
+        with pytest.raises(ConfigError) as error:
+            load_cfg(cfg_file)
+        assert str(error.value).startswith(f"Unsafe YAML tag {tag} in {evil}:3:12: "), error.value
+        assert "yaml.safe_load" in str(error.value) and "syntax" not in str(error.value)
+    assert not marker.exists()  # nothing was executed
+
+
 @pytest.mark.parametrize(
     "opts, message",
     [

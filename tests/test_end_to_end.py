@@ -56,18 +56,29 @@ def test_train_then_test_writes_every_promised_file(tiny_set, tmp_path):
         png = f.read()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
 
-    test = run_tool("test_net.py", "--cfg", DEMO_CFG, "--vis", "3", *_opts(tiny_set, ckpt))
+    # Six iterations learn little, so no score threshold: every proposal the model keeps is a detection,
+    # and bbox.json, the COCO evaluation and the pictures are exercised on real model output, never on nothing.
+    test = run_tool("test_net.py", "--cfg", DEMO_CFG, "--vis", "3", *_opts(tiny_set, ckpt),
+                    "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.0")
     assert "[Testing][range:1-8 of 8]" in test.stdout
     assert "GFLOPs" in test.stdout
     gt = COCO(os.path.join(tiny_set, "annotations", "val.json"))
     with open(os.path.join(ckpt, "test", "bbox.json")) as f:
         detections = json.load(f)
-    if detections:  # an untrained model may find nothing above the score threshold
-        dt = gt.loadRes(os.path.join(ckpt, "test", "bbox.json"))
-        assert set(dt.getImgIds()) <= set(gt.getImgIds())
+    per_image = {image_id: [d for d in detections if d["image_id"] == image_id] for image_id in gt.getImgIds()}
+    assert all(0 < len(found) <= 100 for found in per_image.values()), {k: len(v) for k, v in per_image.items()}
+    assert len(detections) == sum(map(len, per_image.values()))  # no detection on an image the set lacks
+    for d in detections:
+        info = gt.imgs[d["image_id"]]
+        x, y, w, h = d["bbox"]
+        assert d["category_id"] in gt.cats and 0 < d["score"] <= 1, d
+        assert w > 0 and h > 0 and x >= 0 and y >= 0 and x + w <= info["width"] + 0.01 and \
+            y + h <= info["height"] + 0.01, (d, info)
+    dt = gt.loadRes(os.path.join(ckpt, "test", "bbox.json"))
+    assert sorted(dt.getImgIds()) == sorted(gt.getImgIds())
     with open(os.path.join(ckpt, "test", "metrics.json")) as f:
         report = json.load(f)
-    assert "bbox/AP" in report["metrics"] and "bbox/AP50" in report["metrics"]
+    assert 0 <= report["metrics"]["bbox/AP"] <= report["metrics"]["bbox/AP50"] <= 100  # scored, not NaN
     assert report["speed"]["timed_iters"] == 3 and report["speed"]["iter"]["mean_ms"] > 0
 
     vis_dir = os.path.join(ckpt, "test", "vis")
@@ -105,6 +116,20 @@ def test_cli_missing_config_file_is_one_line_and_creates_nothing(tool, tmp_path)
     assert proc.stderr.strip().splitlines() == [
         f"Error: Config file not found: {missing} (pass an existing YAML file to --cfg)"]
     assert not ckpt.exists()
+
+
+@pytest.mark.parametrize("tool", ["train_net.py", "test_net.py"])
+def test_cli_refuses_a_yaml_tag_that_would_run_code_with_one_line_and_runs_nothing(tool, tmp_path):
+    marker, ckpt = tmp_path / "marker", tmp_path / "never"
+    evil = tmp_path / "evil.yaml"
+    evil.write_text(f"_BASE_: {DEMO_CFG}\nSOLVER:\n  BASE_LR: !!python/object/apply:os.system ['touch {marker}']\n")
+    proc = run_tool(tool, "--cfg", str(evil), "CKPT", str(ckpt), check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"Error: Unsafe YAML tag !!python/object/apply:os.system in {evil}:3:12: configs are read with "
+        "yaml.safe_load, which never builds Python objects or runs code; write a plain value (number, string, "
+        "list or mapping) instead"]
+    assert not marker.exists() and not ckpt.exists()
 
 
 def test_test_net_without_weights_says_what_to_do(tiny_set, tmp_path):

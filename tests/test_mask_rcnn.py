@@ -9,15 +9,13 @@ import uuid
 import numpy as np
 import pytest
 import torch
-import torchvision
-from conftest import random_padded_batch
+from parity import check_inference_parity, check_training_parity
 
 from pet.config import load_cfg
 from pet.data import generate_shapes, get_dataset, register_coco_dataset
 from pet.evaluation import COCOEvaluator, evaluate_results_file
 from pet.modeling import build_model
 from pet.utils.errors import ConfigError, DataError
-from pet.utils.weights import load_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COCO_CFG = os.path.join(ROOT, "cfgs", "coco", "mask_rcnn_R-50-FPN_1x.yaml")
@@ -25,51 +23,17 @@ DEMO_CFG = os.path.join(ROOT, "cfgs", "shapes", "mask_rcnn_R-18-FPN.yaml")
 LOSSES = {"loss_objectness", "loss_rpn_box_reg", "loss_classifier", "loss_box_reg", "loss_mask"}
 
 
-def _mask_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """IoU of each pair of boolean masks [N, H, W]; two empty masks count as identical."""
-    inter = (a & b).flatten(1).sum(1).float()
-    union = (a | b).flatten(1).sum(1).float()
-    return torch.where(union > 0, inter / union.clamp(min=1), torch.ones_like(union))
+def test_mask_rcnn_inference_parity_with_torchvision():
+    """torchvision's maskrcnn_resnet50_fpn weights give torchvision's detections and masks (IoU >= 0.99 each): the
+    same as its model run channels-last, and torchvision's default run up to its memory format's rounding
+    (tests/parity.py)."""
+    check_inference_parity("mask_rcnn")
 
 
-def test_detections_and_masks_match_torchvision_for_the_same_weights(tmp_path):
-    """torchvision's maskrcnn_resnet50_fpn state_dict loads as is and gives the same boxes, scores,
-    labels and pasted masks, including for an image resized from a larger original."""
-    detections = 20  # both models keep the top 20 per image: the 256-channel mask head is the costly part
-    torch.manual_seed(0)
-    reference = torchvision.models.detection.maskrcnn_resnet50_fpn(
-        weights=None, weights_backbone=None, num_classes=91, min_size=320, box_score_thresh=0.0,
-        box_detections_per_img=detections).eval()
-    path = tmp_path / "maskrcnn.pth"
-    torch.save(reference.state_dict(), path)
-    # torchvision's memory format too: channels-last convolutions sum in another order (~1e-3 px on boxes)
-    model = build_model(load_cfg(COCO_CFG, ["MODEL.NUM_CLASSES", "90", "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.0",
-                                            "MODEL.ROI_HEADS.DETECTIONS_PER_IMAGE", str(detections),
-                                            "MODEL.CHANNELS_LAST", "False"]))
-    assert load_weights(model, str(path)) == {"missing": [], "unexpected": [], "mismatched": []}
-    model.eval()
-
-    sizes, originals = [(320, 416), (320, 320)], [(480, 624), (320, 320)]  # image 0 stands for a 1.5x larger one
-    images, batch = random_padded_batch(sizes)
-    targets = [{"image_size": s, "orig_size": o} for s, o in zip(sizes, originals)]
-    with torch.no_grad():
-        # torchvision's GeneralizedRCNN.forward, step by step, to paste into the larger original size
-        image_list, _ = reference.transform([im.float() / 255 for im in images])  # 320 short side: no resize
-        assert image_list.image_sizes == sizes
-        features = reference.backbone(image_list.tensors)
-        proposals, _ = reference.rpn(image_list, features)
-        raw, _ = reference.roi_heads(features, proposals, image_list.image_sizes)
-        expected = reference.transform.postprocess(raw, image_list.image_sizes, originals)
-        outputs = model(batch, targets)
-
-    for ours, theirs, (orig_h, orig_w) in zip(outputs, expected, originals):
-        assert len(ours["boxes"]) == len(theirs["boxes"]) == detections
-        assert torch.equal(ours["labels"], theirs["labels"])
-        assert (ours["boxes"] - theirs["boxes"]).abs().max() <= 1e-4
-        assert (ours["scores"] - theirs["scores"]).abs().max() <= 1e-4
-        assert ours["masks"].dtype == torch.uint8 and ours["masks"].shape == (detections, orig_h, orig_w)
-        assert ours["masks"].max() == 1 and set(ours["masks"].unique().tolist()) <= {0, 1}
-        assert _mask_iou(ours["masks"].bool(), theirs["masks"][:, 0] >= 0.5).min() >= 0.99
+def test_mask_rcnn_training_parity_with_torchvision():
+    """The same losses (loss_mask included) and gradients as torchvision's model for the same weights, batch and
+    sampling (tests/parity.py)."""
+    check_training_parity("mask_rcnn")
 
 
 def test_coco_config_has_torchvisions_parameter_count():

@@ -9,7 +9,7 @@ from collections import OrderedDict
 import pytest
 import torch
 import torchvision
-from conftest import random_padded_batch
+from parity import check_inference_parity, check_training_parity
 from torchvision.models._utils import IntermediateLayerGetter
 from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
 from torchvision.ops import FrozenBatchNorm2d
@@ -105,14 +105,19 @@ def _coco_cfg(*opts: str):
     return load_cfg(path, ["MODEL.NUM_CLASSES", "90", *opts])
 
 
-def test_torchvision_detection_state_dict_loads_without_leftovers(tmp_path):
+def test_torchvision_detection_state_dict_loads_without_leftovers(tmp_path, caplog):
+    """Untrained, torchvision's builder uses trainable BatchNorm: its num_batches_tracked buffers, which Pet's
+    FrozenBN lacks, are dropped on load without a warning."""
     torch.manual_seed(0)
     reference = torchvision.models.detection.fasterrcnn_resnet50_fpn(weights=None, weights_backbone=None,
                                                                       num_classes=91)
+    assert any(k.endswith("num_batches_tracked") for k in reference.state_dict())
     path = tmp_path / "frcnn.pth"
     torch.save(reference.state_dict(), path)
     model = build_model(_coco_cfg())
-    assert load_weights(model, str(path)) == {"missing": [], "unexpected": [], "mismatched": []}
+    with caplog.at_level(logging.WARNING, logger="pet.utils.weights"):
+        assert load_weights(model, str(path)) == {"missing": [], "unexpected": [], "mismatched": []}
+    assert not caplog.records
     ours = model.state_dict()
     # torchvision's untrained model has BatchNorm (num_batches_tracked); Pet's COCO config has FrozenBN
     theirs = {k: v for k, v in reference.state_dict().items() if not k.endswith("num_batches_tracked")}
@@ -133,33 +138,16 @@ def test_r50_config_freezes_what_torchvision_freezes():
     assert isinstance(model.backbone.body.layer4[0].bn1, FrozenBatchNorm2d)
 
 
-def test_detections_match_torchvision_for_the_same_weights(tmp_path, caplog):
-    """torchvision's fasterrcnn_resnet50_fpn state_dict loads cleanly and, for the same uint8 input, gives the same
-    detections (the model only normalises, like torchvision). Untrained, torchvision's builder uses trainable
-    BatchNorm everywhere: in eval mode that computes what Pet's FrozenBN does with the same statistics, and its
-    num_batches_tracked buffers are dropped on load without being reported."""
-    torch.manual_seed(0)
-    reference = torchvision.models.detection.fasterrcnn_resnet50_fpn(
-        weights=None, weights_backbone=None, num_classes=91, min_size=256, max_size=512, box_score_thresh=0.0).eval()
-    assert any(k.endswith("num_batches_tracked") for k in reference.state_dict())
-    path = tmp_path / "frcnn.pth"
-    torch.save(reference.state_dict(), path)
-    # torchvision's memory format too: channels-last convolutions sum in another order
-    model = build_model(_coco_cfg("MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.0", "MODEL.CHANNELS_LAST", "False"))
-    with caplog.at_level(logging.WARNING, logger="pet.utils.weights"):
-        assert load_weights(model, str(path)) == {"missing": [], "unexpected": [], "mismatched": []}
-    assert not caplog.records
-    model.eval()
-    images, batch = random_padded_batch([(256, 320), (256, 256)])
-    targets = [{"image_size": tuple(im.shape[1:]), "orig_size": tuple(im.shape[1:])} for im in images]
-    with torch.no_grad():
-        expected = reference([im.float() / 255 for im in images])
-        outputs = model(batch, targets)
-    for ours, theirs in zip(outputs, expected):
-        assert len(ours["boxes"]) == len(theirs["boxes"]) > 0
-        assert torch.equal(ours["labels"], theirs["labels"])
-        assert (ours["boxes"] - theirs["boxes"]).abs().max() <= 1e-4
-        assert (ours["scores"] - theirs["scores"]).abs().max() <= 1e-4
+def test_faster_rcnn_inference_parity_with_torchvision():
+    """torchvision's fasterrcnn_resnet50_fpn weights give torchvision's detections: the same as its model run
+    channels-last, and torchvision's default run up to its memory format's rounding (tests/parity.py)."""
+    check_inference_parity("faster_rcnn")
+
+
+def test_faster_rcnn_training_parity_with_torchvision():
+    """The same losses and gradients as torchvision's model for the same weights, batch and sampling
+    (tests/parity.py)."""
+    check_training_parity("faster_rcnn")
 
 
 # Output channels of ResNet stages layer1..layer4: what the FPN's lateral convolutions take.
@@ -182,14 +170,23 @@ def test_resnet34_and_resnet101_backbones_are_torchvisions_resnets_under_the_fpn
 
 
 def test_imagenet_resnet_initialises_the_backbone(tmp_path, caplog):
+    """Every tensor of the classifier but ``fc`` lands in ``backbone.body``: its BatchNorm statistics and affine
+    parameters are drawn at random first, so that none equals what a freshly built model holds already."""
     classifier = torchvision.models.resnet18(weights=None)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for bn in (m for m in classifier.modules() if isinstance(m, torch.nn.BatchNorm2d)):
+            for tensor in (bn.weight, bn.bias, bn.running_mean, bn.running_var):
+                tensor.copy_(torch.rand(tensor.shape, generator=gen) + 0.5)
+            bn.num_batches_tracked.fill_(1000)
     path = tmp_path / "resnet18.pth"
     torch.save(classifier.state_dict(), path)
     model = build_model(load_cfg(DEMO_CFG))
-    with caplog.at_level(logging.WARNING, logger="pet.modeling.weights"):
+    with caplog.at_level(logging.WARNING, logger="pet.utils.weights"):
         report = load_weights(model, str(path))
-    torch.testing.assert_close(model.backbone.body.layer3[0].conv1.weight, classifier.layer3[0].conv1.weight)
-    torch.testing.assert_close(model.backbone.body.bn1.running_var, classifier.bn1.running_var)
+    expected = {k: v for k, v in classifier.state_dict().items() if not k.startswith("fc.")}
+    loaded = model.backbone.body.state_dict()
+    assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], v) for k, v in expected.items())
     assert not report["unexpected"] and not report["mismatched"]
     assert report["missing"] and all(not k.startswith("backbone.body.") for k in report["missing"])
     # one table row per module, not one line per tensor
@@ -281,7 +278,8 @@ class SharedConvRPNHead(torch.nn.Module):
 def test_a_new_neck_is_a_backbone_entry_from_a_dotted_path(tmp_path):
     """The route pet/modeling/registry.py documents: the model trains through the new neck, and ImageNet ResNet
     weights still initialise backbone.body."""
-    model = build_model(load_cfg(DEMO_CFG, ["MODEL.BACKBONE.TYPE", f"{__name__}.resnet_lateral_neck"]))
+    cfg = load_cfg(DEMO_CFG, ["MODEL.BACKBONE.TYPE", f"{__name__}.resnet_lateral_neck"])
+    model = build_model(cfg)
     assert isinstance(model.backbone, ResNetWithLateralNeck)
     model.train()
     losses = model(*_batch())

@@ -1,14 +1,16 @@
-"""Faults injected for real: signals, SIGKILL at a random iteration, a NaN loss, a full disk, leftover files."""
+"""Faults injected for real: signals, SIGKILL in the middle of a checkpoint write (SIGKILL between iterations of
+the demo detector: tests/test_kill_resume.py),
+a NaN loss, a full disk, a file-size limit, a read-only directory, leftover files, pickles that run code."""
 from __future__ import annotations
 
+import ctypes
 import math
 import os
-import random
 import re
+import select
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -16,60 +18,72 @@ import torch.distributed as dist
 from conftest import IndexedToyLoader, ToyModel, run_two_ranks
 
 from pet.config import load_cfg
-from pet.engine.checkpoint import read_last_checkpoint
+from pet.engine.checkpoint import load_checkpoint, read_last_checkpoint
 from pet.engine.events import read_metrics
 from pet.engine.hooks import TrainHook
 from pet.engine.trainer import Trainer
 from pet.utils import comm
-from pet.utils.errors import TrainingInterrupted
+from pet.utils.errors import ConfigError, TrainingInterrupted
+from pet.utils.weights import load_weights
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy_train.py")
 
 
-def start(ckpt, max_iter, *args):
+def start(ckpt, max_iter, *args, **popen):
+    """``tests/toy_train.py`` in a subprocess; ``popen``: extra ``subprocess.Popen`` arguments."""
     return subprocess.Popen([sys.executable, SCRIPT, "--ckpt", str(ckpt), "--max-iter", str(max_iter), *args],
                             stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, **popen)
 
 
-def run(ckpt, max_iter, *args):
-    proc = start(ckpt, max_iter, *args)
+def run(ckpt, max_iter, *args, **popen):
+    proc = start(ckpt, max_iter, *args, **popen)
     out, err = proc.communicate(timeout=300)
     return proc.returncode, out, err
 
 
-def wait_for_iteration(ckpt, iteration, proc, timeout=60.0):
-    path = os.path.join(ckpt, "metrics.json")
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if os.path.exists(path) and any(r["iteration"] >= iteration for r in read_metrics(path)):
-            return
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
-    raise AssertionError(f"iteration {iteration} not reached")
+def start_and_wait_for_report(ckpt, max_iter, plugin, *args, also=(), **kwargs):
+    """Start toy_train with the hook ``fault_plugins.<plugin>(fd=<a pipe>, **kwargs)`` and wait for its report.
+
+    ``also``: more ``HOOKS.CUSTOM`` entries. Returns the process, still running, and the line
+    the hook wrote on the pipe once it got where the test wants it: no sleep, no timing
+    assumption. A child that exits before reporting fails the test with its output.
+    """
+    read_end, write_end = os.pipe()
+    hooks = [*also, {"type": f"fault_plugins.{plugin}", "fd": write_end, **kwargs}]
+    try:
+        proc = start(ckpt, max_iter, *args, "HOOKS.CUSTOM", repr(hooks), pass_fds=(write_end,))
+    finally:
+        os.close(write_end)
+    try:
+        ready, _, _ = select.select([read_end], [], [], 300)  # a hang guard only
+        report = os.read(read_end, 4096).decode() if ready else ""
+    finally:
+        os.close(read_end)
+    if not report:  # the child exited (end of file) or hung
+        proc.kill()
+        raise AssertionError(f"{plugin} never reported: {proc.communicate()}")
+    return proc, report.strip()
 
 
 def final_weights(ckpt):
     return torch.load(os.path.join(ckpt, "model_final.pth"), weights_only=True)["model"]
 
 
-# Loaded by dotted path in the child: they show that after_train ran and the writers were closed.
-MARKERS = ("HOOKS.CUSTOM", "[{'type': 'fault_plugins.AfterTrainMarker'}]",
-           "TRAIN.WRITERS", "[{'type': 'fault_plugins.CloseMarker'}]")
-
-
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_sigterm_saves_a_checkpoint_and_resume_continues_from_it(tmp_path, signum):
-    ckpt = tmp_path / "run"
-    proc = start(ckpt, 400, "--sleep", "0.02", "--interval", "1000", *MARKERS)
-    wait_for_iteration(ckpt, 5, proc)
+    ckpt, stopped_at = tmp_path / "run", 5
+    # The child waits for the signal after iteration 5 and says so on a pipe; the two markers show that
+    # after_train ran and the writers were closed.
+    proc, _ = start_and_wait_for_report(ckpt, 10, "PauseForSignal", "--interval", "1000",
+                                        "TRAIN.WRITERS", "[{'type': 'fault_plugins.CloseMarker'}]",
+                                        at=stopped_at, also=[{"type": "fault_plugins.AfterTrainMarker"}])
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signum
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"Error: Training stopped by {signum.name} after iteration ")
-    stopped_at = int(lines[0].split("after iteration ")[1].split(";")[0])
-    assert f"checkpoint {ckpt}/model_iter{stopped_at}.pth." in lines[0]
+    assert err.strip().splitlines() == [
+        f"Error: Training stopped by {signum.name} after iteration {stopped_at}; checkpoint "
+        f"{ckpt}/model_iter{stopped_at}.pth. Run the same command to resume from it."], err
     assert (ckpt / "last_checkpoint").read_text() == f"model_iter{stopped_at}.pth"
     assert not (ckpt / "model_final.pth").exists()
     assert (ckpt / "after_train.txt").read_text() == str(stopped_at)
@@ -143,24 +157,6 @@ def test_signal_checkpoint_without_a_checkpoint_hook_goes_to_ckpt(make_cfg):
         trainer.train()
     assert stop.value.exit_code == 128 + signal.SIGINT
     assert read_last_checkpoint(trainer.output_dir) == os.path.join(trainer.output_dir, "model_iter3.pth")
-
-
-def test_sigkill_at_a_random_iteration_then_resume_ends_bit_identical(tmp_path):
-    reference = tmp_path / "reference"
-    code, _, err = run(reference, 30)
-    assert code == 0, err
-
-    ckpt = tmp_path / "killed"
-    proc = start(ckpt, 30, "--sleep", "0.01")
-    wait_for_iteration(ckpt, random.Random(os.getpid()).randint(3, 25), proc)
-    proc.kill()
-    proc.communicate()
-    leftovers = [f for f in os.listdir(ckpt) if ".tmp" in f]
-    code, _, err = run(ckpt, 30)
-    assert code == 0, err
-    assert not [f for f in os.listdir(ckpt) if ".tmp" in f], leftovers
-    for name, value in final_weights(reference).items():
-        assert torch.equal(value, final_weights(ckpt)[name]), name
 
 
 def test_nan_loss_stops_naming_iteration_and_term_and_keeps_last_checkpoint(tmp_path):
@@ -282,20 +278,111 @@ def test_skip_nonfinite_skips_and_counts(tmp_path):
 
 
 def test_failed_checkpoint_write_keeps_the_previous_one_and_names_path_and_cause(tmp_path):
+    """A write failing with EFBIG (RLIMIT_FSIZE, SIGXFSZ ignored), the disk-full case any user can cause."""
     ckpt = tmp_path / "run"
     code, _, err = run(ckpt, 4, "--interval", "2")
     assert code == 0, err
-    previous = torch.load(ckpt / "model_iter4.pth", weights_only=True)
-    # Resume with files capped at 12 kB: the 17 kB checkpoint at iteration 6 cannot be written.
-    code, _, err = run(ckpt, 8, "--interval", "2", "--file-size-limit", "12000")
+    previous = (ckpt / "model_iter4.pth").read_bytes()
+    # Resume with files capped one byte under a checkpoint's size: the one at iteration 6 cannot be written
+    # (the log and metrics.json stay far smaller).
+    limit = len(previous) - 1
+    code, _, err = run(ckpt, 8, "--interval", "2", "--file-size-limit", str(limit))
+    assert code == 2
+    assert err.strip().splitlines() == [
+        f"Error: Could not write {ckpt}/model_iter6.pth: File too large. The previous checkpoint is intact; raise "
+        "the file-size limit (ulimit -f), or point CKPT at a file system that allows larger files, then resume "
+        "with the same command."]
+    assert (ckpt / "last_checkpoint").read_text() == "model_iter4.pth"
+    assert (ckpt / "model_iter4.pth").read_bytes() == previous
+    assert sorted(f for f in os.listdir(ckpt) if f.endswith(".pth") or ".tmp" in f) == [
+        "model_final.pth", "model_iter2.pth", "model_iter4.pth"]  # no partial or temporary file
+
+    code, out, err = run(ckpt, 8, "--interval", "2")  # the limit lifted, the same command resumes
+    assert code == 0, err
+    assert f"Resumed from {ckpt}/model_iter4.pth at iteration 4" in out
+
+
+def _obeying_permissions():
+    """``subprocess.Popen`` arguments for a child that obeys file permission bits, as any user's process does.
+
+    root ignores them through CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH; dropped from the
+    bounding set before ``exec``, the child runs as root (it can still read the interpreter
+    under /root) without them. A process that lacks them already (a normal user) needs nothing.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            effective = int(next(line for line in f if line.startswith("CapEff:")).split()[1], 16)
+    except (OSError, StopIteration):
+        effective = 0b110 if os.geteuid() == 0 else 0
+    return {"preexec_fn": _drop_permission_override} if effective & 0b110 else {}
+
+
+def _drop_permission_override():
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def _require_permissions_enforced(read_only_dir):
+    """Skip unless a child started with :func:`_obeying_permissions` really cannot write there."""
+    probe = os.path.join(read_only_dir, "probe")
+    try:
+        subprocess.run([sys.executable, "-c", f"open({probe!r}, 'w')"], capture_output=True, check=False,
+                       **_obeying_permissions())
+    except subprocess.SubprocessError as exc:  # prctl refused: root without CAP_SETPCAP
+        pytest.skip(f"cannot start a child that obeys permission bits here: {exc}")
+    if os.path.exists(probe):
+        pytest.skip("a child can write into a read-only directory here (capabilities beyond root's usual)")
+
+
+def test_a_read_only_checkpoint_directory_keeps_the_previous_checkpoint_and_says_what_to_do(tmp_path):
+    """Permission denied for real (EACCES from the kernel): checkpoints go to a directory made read-only."""
+    ckpt, out = tmp_path / "run", tmp_path / "checkpoints"
+    opts = ("--interval", "2", "HOOKS.CHECKPOINT.OUT_DIR", str(out))
+    code, _, err = run(ckpt, 2, *opts)
+    assert code == 0, err
+    previous = (out / "model_iter2.pth").read_bytes()
+    out.chmod(0o555)
+    try:
+        _require_permissions_enforced(out)
+        code, _, err = run(ckpt, 4, *opts, **_obeying_permissions())
+    finally:
+        out.chmod(0o755)
+    assert code == 2
+    assert err.strip().splitlines() == [
+        f"Error: Could not write {out}/model_iter4.pth: Permission denied. The previous checkpoint is intact; make "
+        f"{out} writable for this user, or point CKPT (or HOOKS.CHECKPOINT.OUT_DIR) at a writable directory, then "
+        "resume with the same command."]
+    assert (ckpt / "last_checkpoint").read_text() == str(out / "model_iter2.pth")
+    assert (out / "model_iter2.pth").read_bytes() == previous
+    assert sorted(os.listdir(out)) == ["model_final.pth", "model_iter2.pth"]  # nothing partial or temporary
+
+    code, out_text, err = run(ckpt, 4, *opts, **_obeying_permissions())  # writable again
+    assert code == 0, err
+    assert f"Resumed from {out}/model_iter2.pth at iteration 2" in out_text
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["new-run", "resume"])
+def test_a_read_only_ckpt_is_one_line_naming_it_and_what_to_do(tmp_path, fresh):
+    ckpt = tmp_path / "run"
+    if fresh:
+        ckpt.mkdir()
+    else:
+        code, _, err = run(ckpt, 2, "--interval", "2")
+        assert code == 0, err
+    before = sorted(os.listdir(ckpt))
+    ckpt.chmod(0o555)
+    try:
+        _require_permissions_enforced(ckpt)
+        code, _, err = run(ckpt, 4, "--interval", "2", **_obeying_permissions())
+    finally:
+        ckpt.chmod(0o755)
     assert code == 2
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and f"Could not write {ckpt}/model_iter6.pth" in lines[0]
-    assert "File too large" in lines[0] and "The previous checkpoint is intact" in lines[0]
-    assert (ckpt / "last_checkpoint").read_text() == "model_iter4.pth"
-    assert not [f for f in os.listdir(ckpt) if ".tmp" in f]
-    reloaded = torch.load(ckpt / "model_iter4.pth", weights_only=True)
-    assert all(torch.equal(v, reloaded["model"][k]) for k, v in previous["model"].items())
+    assert len(lines) == 1 and lines[0].startswith(f"Error: Could not write {ckpt}/"), err
+    assert "Permission denied" in lines[0] and f"make {ckpt} writable" in lines[0]
+    assert sorted(os.listdir(ckpt)) == before
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint_and_names_path_and_cause(tmp_path):
@@ -374,16 +461,82 @@ def test_only_the_main_process_removes_leftover_temporary_files(make_cfg, monkey
     assert os.path.isfile(leftover)  # the main process cleans it; the others would race it
 
 
-class _NotATensor:
-    pass
+class RunsCodeOnLoad:
+    """Pickles as a call to ``os.mkdir(marker)``: unpickling it without ``weights_only`` creates ``marker``."""
+
+    def __init__(self, marker) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
 
 
-def test_checkpoints_load_weights_only_unless_asked(tmp_path):
-    from pet.engine.checkpoint import load_checkpoint
-    from pet.utils.errors import ConfigError
+def save_checkpoint_that_runs_code(path, marker):
+    """A Pet-shaped checkpoint (ToyModel weights, iteration 2) that also carries :class:`RunsCodeOnLoad`."""
+    torch.save({"model": ToyModel().state_dict(), "iter": 2, "payload": RunsCodeOnLoad(marker)}, path)
 
-    path = tmp_path / "pickled.pth"
-    torch.save({"model": {}, "extra": _NotATensor()}, path)
-    with pytest.raises(ConfigError, match="--unsafe-load"):
-        load_checkpoint(str(path))
-    assert isinstance(load_checkpoint(str(path), unsafe=True)["extra"], _NotATensor)
+
+def _load_weights_into_toy_model(path, **kwargs):
+    return load_weights(ToyModel(), path, **kwargs)
+
+
+@pytest.mark.parametrize("load", [load_checkpoint, _load_weights_into_toy_model], ids=["resume", "weights"])
+def test_checkpoints_load_weights_only_unless_asked(tmp_path, load):
+    """Both ways a .pth file is read refuse a pickle that would run code, naming the file and the opt-in."""
+    path, marker = tmp_path / "evil.pth", tmp_path / "code_ran"
+    save_checkpoint_that_runs_code(path, marker)
+    with pytest.raises(ConfigError) as error:
+        load(str(path))
+    assert str(error.value) == (
+        f"Refusing to load {path}: it holds pickled objects other than tensors (global {os.mkdir.__module__}.mkdir), "
+        "and loading those can run arbitrary code. If you trust its source, load it with --unsafe-load.")
+    assert not marker.exists()  # refused before anything ran
+    load(str(path), unsafe=True)  # the opt-in loads it, and the payload is real: it runs
+    assert marker.is_dir()
+
+
+def test_resuming_from_a_checkpoint_that_would_run_code_is_one_line_and_runs_nothing(tmp_path):
+    ckpt, marker = tmp_path / "run", tmp_path / "code_ran"
+    ckpt.mkdir()
+    save_checkpoint_that_runs_code(ckpt / "model_iter2.pth", marker)
+    (ckpt / "last_checkpoint").write_text("model_iter2.pth")
+    code, _, err = run(ckpt, 4)
+    assert code == 2
+    assert err.strip().splitlines() == [
+        f"Error: Refusing to load {ckpt}/model_iter2.pth: it holds pickled objects other than tensors (global "
+        f"{os.mkdir.__module__}.mkdir), and loading those can run arbitrary code. If you trust its source, load it "
+        "with --unsafe-load."]
+    assert not marker.exists()
+    assert not (ckpt / "model_iter4.pth").exists()
+
+
+@pytest.mark.parametrize("name, occurrence", [("model_iter4.pth", 1), ("last_checkpoint", 2)],
+                         ids=["checkpoint", "last_checkpoint"])
+def test_sigkill_in_the_middle_of_a_checkpoint_write_leaves_the_previous_one_named_and_intact(tmp_path, name,
+                                                                                             occurrence):
+    """Killed half-way through writing the iteration-4 checkpoint or the last_checkpoint that names it."""
+    ckpt = tmp_path / "run"
+    proc, half_written = start_and_wait_for_report(ckpt, 6, "StallWrite", "--interval", "2", name=name,
+                                                   occurrence=occurrence)
+    proc.kill()
+    proc.communicate()
+
+    # last_checkpoint names a complete checkpoint, and nothing under a final name is partial.
+    assert (ckpt / "last_checkpoint").read_text() == "model_iter2.pth"
+    assert load_checkpoint(str(ckpt / "model_iter2.pth"))["iter"] == 2
+    checkpoints = sorted(f for f in os.listdir(ckpt) if f.endswith(".pth"))
+    assert checkpoints == ["model_iter2.pth"] + (["model_iter4.pth"] if name == "last_checkpoint" else [])
+    assert [load_checkpoint(str(ckpt / f))["iter"] for f in checkpoints] == [2, 4][: len(checkpoints)]
+    # The kill did land mid-write, into a temporary file.
+    assert half_written == f"{ckpt}/{name}.tmp{proc.pid}"
+    with open(half_written, "rb") as f:
+        partial = f.read()
+    if name == "last_checkpoint":
+        assert partial == b"model_i"  # half of "model_iter4.pth"
+    else:
+        assert 0 < len(partial) < os.path.getsize(ckpt / "model_iter2.pth")
+
+    code, out, err = run(ckpt, 6, "--interval", "2")  # the same command resumes from the complete one
+    assert code == 0, err
+    assert f"Resumed from {ckpt}/model_iter2.pth at iteration 2" in out
+    assert not os.path.exists(half_written)

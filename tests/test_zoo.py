@@ -3,13 +3,11 @@ dense heads; the training recipe of every COCO config."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import NamedTuple
 
 import pytest
 import torch
-import torchvision
-from conftest import random_padded_batch
+from parity import check_inference_parity, check_training_parity
 from torchvision.models.detection import fcos as tv_fcos
 from torchvision.models.detection import retinanet as tv_retinanet
 from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
@@ -18,13 +16,11 @@ from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 from pet.config import load_cfg
 from pet.modeling import build_model
 from pet.utils.errors import ConfigError
-from pet.utils.weights import load_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Zoo(NamedTuple):
-    torchvision_builder: Callable[..., torch.nn.Module]
     cfg_node: str  # Pet's config section of the head
     num_params: int  # of torchvision's COCO weights (their meta["num_params"])
     losses: set[str]
@@ -32,10 +28,8 @@ class Zoo(NamedTuple):
 
 # Keyed by config file name prefix: cfgs/coco/<name>_R-50-FPN_1x.yaml, cfgs/shapes/<name>_R-18-FPN.yaml.
 MODELS = {
-    "retinanet": Zoo(torchvision.models.detection.retinanet_resnet50_fpn, "MODEL.RETINANET", 34_014_999,
-                     {"loss_classification", "loss_bbox_regression"}),
-    "fcos": Zoo(torchvision.models.detection.fcos_resnet50_fpn, "MODEL.FCOS", 32_269_600,
-                {"loss_classification", "loss_bbox_regression", "loss_bbox_ctrness"}),
+    "retinanet": Zoo("MODEL.RETINANET", 34_014_999, {"loss_classification", "loss_bbox_regression"}),
+    "fcos": Zoo("MODEL.FCOS", 32_269_600, {"loss_classification", "loss_bbox_regression", "loss_bbox_ctrness"}),
 }
 TV_MODULES = {"backbone.body", "backbone.fpn", "anchor_generator", "head.classification_head", "head.regression_head"}
 
@@ -48,43 +42,18 @@ def _demo_cfg(name: str, *opts: str):
     return load_cfg(os.path.join(ROOT, "cfgs", "shapes", f"{name}_R-18-FPN.yaml"), list(opts))
 
 
-def _without_label_0(detections: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    keep = detections["labels"] > 0
-    return {k: v[keep] for k, v in detections.items()}
+@pytest.mark.parametrize("name", MODELS)
+def test_one_stage_inference_parity_with_torchvision(name):
+    """torchvision's retinanet / fcos_resnet50_fpn weights give torchvision's detections (its label 0, COCO's unused
+    category, dropped as Pet drops it): the same as its model run channels-last, and torchvision's default run up
+    to its memory format's rounding (tests/parity.py)."""
+    check_inference_parity(name)
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_detections_match_torchvision_for_the_same_weights(name, tmp_path):
-    """torchvision's state_dict loads as is through Pet's weight loader and gives the same boxes, scores and
-    labels, including for an image resized from a larger original. Pet drops torchvision's label 0 (COCO's
-    unused category, which COCO evaluation ignores); the reference's label-0 detections are dropped to compare."""
-    torch.manual_seed(0)
-    reference = MODELS[name].torchvision_builder(weights=None, weights_backbone=None, num_classes=91, min_size=256,
-                                                 score_thresh=0.0).eval()
-    path = tmp_path / f"{name}.pth"
-    torch.save(reference.state_dict(), path)
-    # torchvision's memory format too: channels-last convolutions sum in another order
-    model = build_model(_coco_cfg(name, f"{MODELS[name].cfg_node}.SCORE_THRESH_TEST", "0.0",
-                                  "MODEL.CHANNELS_LAST", "False"))
-    assert load_weights(model, str(path)) == {"missing": [], "unexpected": [], "mismatched": []}
-    model.eval()
-
-    sizes, originals = [(256, 352), (256, 256)], [(384, 528), (256, 256)]  # image 0 stands for a 1.5x larger one
-    images, batch = random_padded_batch(sizes)
-    targets = [{"image_size": s, "orig_size": o} for s, o in zip(sizes, originals)]
-    with torch.no_grad():
-        # 256 short side: torchvision does not resize, so its boxes are in the 256-px frame; its
-        # postprocess then scales them to the larger original exactly as for a resized image
-        expected = reference.transform.postprocess(reference([im.float() / 255 for im in images]), sizes, originals)
-        outputs = model(batch, targets)
-
-    for ours, theirs in zip(outputs, expected):
-        theirs = _without_label_0(theirs)
-        assert len(ours["boxes"]) == len(theirs["boxes"]) > 0
-        assert torch.equal(ours["labels"], theirs["labels"])
-        assert (ours["boxes"] - theirs["boxes"]).abs().max() <= 1e-4
-        assert (ours["scores"] - theirs["scores"]).abs().max() <= 1e-4
-    assert outputs[0]["boxes"][:, 2].max() > 352 or outputs[0]["boxes"][:, 3].max() > 256  # in the 384x528 original
+def test_one_stage_training_parity_with_torchvision(name):
+    """The same losses and gradients as torchvision's model for the same weights and batch (tests/parity.py)."""
+    check_training_parity(name)
 
 
 @pytest.mark.parametrize("name", MODELS)

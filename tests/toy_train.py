@@ -1,6 +1,6 @@
 """A toy training run driven by the reliability tests in a subprocess (real signals, real kills).
 
-    python tests/toy_train.py --ckpt DIR --max-iter N [--sleep S] [--nan-at N] [--interval N] [KEY VALUE ...]
+    python tests/toy_train.py --ckpt DIR --max-iter N [--nan-at N] [--interval N] [KEY VALUE ...]
 """
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import os
 import resource
 import signal
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,15 +23,13 @@ from pet.utils.logger import setup_logger  # noqa: E402
 
 
 class ScriptedModel(ToyModel):
-    def __init__(self, sleep: float, nan_at: int) -> None:
+    def __init__(self, nan_at: int) -> None:
         super().__init__()
-        self.sleep = sleep
         self.nan_at = nan_at
         self.calls = 0
 
     def forward(self, x, y):
         self.calls += 1
-        time.sleep(self.sleep)
         losses = super().forward(x, y)
         if self.calls == self.nan_at:
             losses["loss_l1"] = losses["loss_l1"] * float("nan")
@@ -43,7 +40,6 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--max-iter", required=True)
-    parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--nan-at", type=int, default=-1)
     parser.add_argument("--interval", default="1")
     parser.add_argument("--file-size-limit", type=int, default=0, help="bytes; emulates a full disk (EFBIG)")
@@ -57,7 +53,7 @@ def main() -> None:
                           "HOOKS.CHECKPOINT.INTERVAL", args.interval, *opts])
     setup_logger(cfg.CKPT)
     seed_everything(cfg.SEED)
-    trainer = Trainer(cfg, model=ScriptedModel(args.sleep, args.nan_at), data_loader=InfiniteToyLoader())
+    trainer = Trainer(cfg, model=ScriptedModel(args.nan_at), data_loader=InfiniteToyLoader())
     trainer.resume_or_load(resume=True)
     trainer.train()
 

@@ -105,6 +105,16 @@ def _read_yaml(path: str) -> dict:
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         where = f"{mark.name}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        # yaml.safe_load refuses tags that would build Python objects or run code (!!python/object/apply:...):
+        # that is a refused tag, not a syntax error, and nothing was executed.
+        problem = exc.problem or ""
+        if isinstance(exc, yaml.constructor.ConstructorError) and problem.startswith(
+                "could not determine a constructor for the tag '"):
+            name = problem.split("'")[1].replace("tag:yaml.org,2002:", "!!")
+            raise ConfigError(
+                f"Unsafe YAML tag {name} in {where}: configs are read with yaml.safe_load, which never builds "
+                "Python objects or runs code; write a plain value (number, string, list or mapping) instead"
+            ) from exc
         raise ConfigError(f"YAML syntax error in {where}: {exc.problem}") from exc
     except FileNotFoundError as exc:
         raise ConfigError(f"_BASE_ of {path} not found: {exc.filename}") from exc

@@ -3,11 +3,13 @@
 A checkpoint is written to a temporary file in the same directory, flushed to disk and
 renamed over the target, so a crash or a full disk never leaves a half-written file
 under the final name; ``last_checkpoint`` is replaced the same way, only after its
-checkpoint is complete. Loading uses ``torch.load(weights_only=True)`` unless the
-caller explicitly asks otherwise.
+checkpoint is complete. Loading goes through :func:`pet.utils.weights.load_checkpoint`
+(re-exported here), the one place Pet calls ``torch.load``: ``weights_only=True`` unless
+the caller explicitly asks otherwise.
 """
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import os
@@ -19,12 +21,14 @@ import numpy as np
 import torch
 
 from pet.utils import comm
-from pet.utils.errors import ConfigError, TrainingError
+from pet.utils.errors import TrainingError
+from pet.utils.weights import load_checkpoint
 
 __all__ = [
     "atomic_save",
     "atomic_write_bytes",
     "temporary_path",
+    "write_failure_remedy",
     "write_last_checkpoint",
     "read_last_checkpoint",
     "load_checkpoint",
@@ -69,8 +73,20 @@ def _atomic_write(path: str, write: Any) -> None:
             os.remove(tmp)
         raise TrainingError(
             f"Could not write {path}: {exc.strerror or exc}. The previous checkpoint is intact; "
-            "free disk space or fix the permissions of the output directory (CKPT), then resume."
+            f"{write_failure_remedy(exc, directory)}, then resume with the same command."
         ) from exc
+
+
+def write_failure_remedy(exc: OSError, directory: str) -> str:
+    """What to do about the failed write ``exc`` into ``directory``, by cause (permissions, space, size limit)."""
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return (f"make {directory} writable for this user, or point CKPT (or HOOKS.CHECKPOINT.OUT_DIR) "
+                "at a writable directory")
+    if exc.errno == errno.EFBIG:
+        return "raise the file-size limit (ulimit -f), or point CKPT at a file system that allows larger files"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"free space on the disk holding {directory}"
+    return f"check that {directory} is writable and has free space"
 
 
 def atomic_save(obj: Any, path: str) -> None:
@@ -128,23 +144,6 @@ def _remove_leftover_temporary_files(directory: str) -> None:
         if _TMP_NAME.fullmatch(entry) and os.path.isfile(leftover):
             logger.warning(f"Removing {leftover}, left by an interrupted checkpoint write")
             os.remove(leftover)
-
-
-def load_checkpoint(path: str, *, unsafe: bool = False) -> dict[str, Any]:
-    """Load a checkpoint dict on the CPU; ``weights_only=True`` unless ``unsafe``."""
-    if not os.path.isfile(path):
-        raise ConfigError(
-            f"Weights file not found: {path} (train first, or point TEST.WEIGHTS / TRAIN.WEIGHTS at a file)"
-        )
-    try:
-        return torch.load(path, map_location="cpu", weights_only=not unsafe)
-    except Exception as exc:  # noqa: BLE001 - torch raises many types for bad files
-        hint = (
-            " It holds objects other than tensors; if you trust its source, load it with --unsafe-load."
-            if "weights_only" in str(exc) and not unsafe
-            else ""
-        )
-        raise ConfigError(f"Cannot load {path}: {type(exc).__name__}: {str(exc).splitlines()[0]}.{hint}") from exc
 
 
 def get_rng_state() -> dict[str, Any]:

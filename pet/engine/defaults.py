@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import random
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from fvcore.common.config import CfgNode
 
 from pet.config import load_cfg
+from pet.engine.checkpoint import write_failure_remedy
 from pet.engine.trainer import resolve_device
 from pet.utils import comm
 from pet.utils.errors import PetError
@@ -81,17 +83,29 @@ def default_setup(cfg_file: str, opts: list[str], local_rank: int | None = None)
     return cfg
 
 
+_WRITE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
 def launch_cli(main: Callable[[], None]) -> None:
-    """Run ``main``; a :class:`PetError` becomes one line on stderr and exit status 2."""
+    """Run ``main``; a :class:`PetError`, or a file that cannot be written (an unwritable or full
+    ``CKPT`` before any checkpoint exists), becomes one line on stderr and exit status 2."""
     try:
         main()
     except PetError as exc:
-        for handler in logging.getLogger("pet").handlers:
-            if isinstance(handler, logging.FileHandler):  # the terminal gets the line below, once
-                handler.emit(logging.makeLogRecord({"name": "pet", "levelname": "ERROR", "levelno": 40,
-                                                    "msg": str(exc)}))
-        print(f"Error: {exc}", file=sys.stderr)
-        sys.exit(getattr(exc, "exit_code", 2))
+        _exit_with_one_line(str(exc), getattr(exc, "exit_code", 2))
+    except OSError as exc:
+        if exc.errno not in _WRITE_ERRNOS or not exc.filename:
+            raise
+        remedy = write_failure_remedy(exc, os.path.dirname(os.path.abspath(exc.filename)))
+        _exit_with_one_line(f"Could not write {exc.filename}: {exc.strerror}; {remedy}.", 2)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _exit_with_one_line(message: str, exit_code: int) -> None:
+    for handler in logging.getLogger("pet").handlers:
+        if isinstance(handler, logging.FileHandler):  # the terminal gets the line below, once
+            handler.emit(logging.makeLogRecord({"name": "pet", "levelname": "ERROR", "levelno": 40, "msg": message}))
+    print(f"Error: {message}", file=sys.stderr)
+    sys.exit(exit_code)

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from fvcore.common.history_buffer import HistoryBuffer
 
+from pet.engine.checkpoint import atomic_write_bytes
+
 __all__ = [
     "EventStorage",
     "get_event_storage",
@@ -239,8 +241,4 @@ def read_metrics(json_file: str) -> list[dict[str, float]]:
 
 def _truncate_metrics(json_file: str, last_iter: int) -> None:
     kept: Iterable[dict] = (r for r in read_metrics(json_file) if r.get("iteration", 0) <= last_iter)
-    tmp = json_file + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for record in kept:
-            f.write(json.dumps(record) + "\n")
-    os.replace(tmp, json_file)
+    atomic_write_bytes("".join(json.dumps(record) + "\n" for record in kept).encode("utf-8"), json_file)

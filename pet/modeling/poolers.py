@@ -30,10 +30,13 @@ def _axis_samples(
     roi_align's rules: a sample more than a pixel outside the map weighs 0; one within a pixel
     of the border is clamped onto it.
     """
-    bin_size = length / bins
+    bin_size = (length / bins)[:, None]
     device = start.device
-    offsets = torch.arange(bins, device=device)[:, None] + (torch.arange(ratio, device=device) + 0.5) / ratio
-    position = start[:, None, None] + offsets * bin_size[:, None, None]
+    # Rounded as torchvision's kernel rounds (start + bin * size) + (sample + 0.5) * size / ratio: a sample that
+    # lands on the map's far edge (a box reaching past it) is then in or out for both alike.
+    bin_start = start[:, None] + torch.arange(bins, device=device) * bin_size
+    step = (torch.arange(ratio, device=device) + 0.5) * bin_size / ratio
+    position = bin_start[:, :, None] + step[:, None, :]
     inside = (position >= -1) & (position <= size)
     position = position.clamp(min=0)
     low = position.floor().long().clamp(max=size - 1)
@@ -53,10 +56,14 @@ def roi_align_sparse(
 ) -> torch.Tensor:
     """``torchvision.ops.roi_align(features, rois, output_size, spatial_scale, sampling_ratio, aligned=False)``.
 
-    ``rois`` is ``[R, 5]`` (batch index, x1, y1, x2, y2 in input pixels) and ``sampling_ratio`` > 0.
+    ``rois`` is ``[R, 5]`` (batch index, x1, y1, x2, y2 in input pixels) and ``sampling_ratio`` > 0
+    (adaptive sampling gives each RoI its own sample count: use torchvision's kernel for it).
     Computed in float32 and returned in ``features``' dtype, as torchvision's autocast wrapper does.
     The result is a channels-last ``[R, C, out_h, out_w]`` view.
     """
+    if sampling_ratio <= 0:
+        raise ValueError(f"roi_align_sparse needs a fixed sampling_ratio > 0, got {sampling_ratio}; "
+                         "adaptive sampling (<= 0) is torchvision.ops.roi_align's")
     batch, channels, height, width = features.shape
     out_h, out_w = output_size
     ratio = sampling_ratio
@@ -99,9 +106,9 @@ class MultiScaleRoIAlign(torchvision.ops.MultiScaleRoIAlign):
                 features, image_shapes, self.canonical_scale, self.canonical_level
             )
         rois = _convert_to_roi_format(boxes)
-        if len(features) == 1:
-            return roi_align_sparse(features[0], rois, self.output_size, self.scales[0], self.sampling_ratio)
-        levels = self.map_levels(boxes)
+        # As torchvision: one level takes every RoI unmapped (the mapper gives a box of negative area,
+        # x2 < x1 or y2 < y1, a NaN level that no level would pool).
+        levels = self.map_levels(boxes) if len(features) > 1 else rois.new_zeros(len(rois), dtype=torch.long)
         first = features[0]
         result = first.new_zeros((len(rois), first.shape[1], *self.output_size))
         for level, (feature, scale) in enumerate(zip(features, self.scales)):

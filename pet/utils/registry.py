@@ -16,7 +16,7 @@ from fvcore.common.registry import Registry as _FvcoreRegistry
 
 from pet.utils.errors import ConfigError
 
-__all__ = ["Registry", "locate", "build_from_spec", "META_ARCH_REGISTRY", "EVALUATOR_REGISTRY"]
+__all__ = ["Registry", "locate", "resolve_spec", "build_from_spec", "META_ARCH_REGISTRY", "EVALUATOR_REGISTRY"]
 
 
 class Registry(_FvcoreRegistry):
@@ -60,6 +60,13 @@ def locate(path: str) -> Any:
     return getattr(module, attr)
 
 
+def resolve_spec(registry: Registry, spec: Mapping[str, Any]) -> Any:
+    """What ``spec['type']`` names in ``registry`` (a registered name or a dotted path), imported but not built."""
+    if "type" not in spec and "TYPE" not in spec:
+        raise ConfigError(f"Entry {dict(spec)} has no 'type': name a registered class or a dotted path")
+    return registry.get(spec.get("type", spec.get("TYPE")))
+
+
 def build_from_spec(registry: Registry, spec: Mapping[str, Any], **optional: Any) -> Any:
     """Build ``registry.get(spec['type'])(**rest_of_spec)``.
 
@@ -67,10 +74,8 @@ def build_from_spec(registry: Registry, spec: Mapping[str, Any], **optional: Any
     Each ``optional`` keyword (e.g. ``output_dir``) is passed only when the constructor
     accepts it and the spec does not set it.
     """
-    if "type" not in spec and "TYPE" not in spec:
-        raise ConfigError(f"Entry {dict(spec)} has no 'type': name a registered class or a dotted path")
+    cls = resolve_spec(registry, spec)
     kwargs = {str(k).lower(): v for k, v in spec.items() if str(k).lower() != "type"}
-    cls = registry.get(spec.get("type", spec.get("TYPE")))
     accepted = _accepted_kwargs(cls)
     for key, value in optional.items():
         if key not in kwargs and (accepted is None or key in accepted):

@@ -1,7 +1,12 @@
-"""Load initial weights into a model (not a resume): one place for every caller.
+"""Read weight files: the one place Pet calls ``torch.load``, and weight loading into a model.
 
-Accepts a Pet checkpoint (a dict with ``"model"``) or a plain ``state_dict``, read with
-``torch.load(weights_only=True)`` unless ``unsafe``. A model translates foreign names
+:func:`load_checkpoint` reads any ``.pth`` file (a resume, initial weights, a test) with
+``torch.load(weights_only=True)`` unless ``unsafe``: a file that holds pickled objects
+other than tensors and plain containers, which could run code while loading, is refused
+with a message that names it and the ``--unsafe-load`` opt-in.
+
+:func:`load_weights` loads initial weights into a model (not a resume). It accepts a Pet
+checkpoint (a dict with ``"model"``) or a plain ``state_dict``. A model translates foreign names
 (torchvision classification or detection weights) by defining
 ``convert_state_dict(state_dict) -> state_dict``. Keys that do not fit are reported in
 one table grouped by module, not one line per tensor.
@@ -10,20 +15,51 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
+import re
 from collections import OrderedDict
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from pet.utils.errors import ConfigError
 from pet.utils.table import format_table
 
-__all__ = ["load_weights"]
+__all__ = ["load_checkpoint", "load_weights"]
 
 logger = logging.getLogger(__name__)
 
 # Buffers whose absence or presence says nothing about the weights (BN vs FrozenBN).
 _IGNORED_SUFFIXES = ("num_batches_tracked",)
+
+
+def load_checkpoint(path: str, *, unsafe: bool = False) -> Any:
+    """``torch.load(path)`` on the CPU, ``weights_only=True`` unless ``unsafe``; errors say what to do."""
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"Weights file not found: {path} (train first, or point TEST.WEIGHTS / TRAIN.WEIGHTS at a file)"
+        )
+    try:
+        return torch.load(path, map_location="cpu", weights_only=not unsafe)
+    except pickle.UnpicklingError as exc:
+        # torch's weights-only refusal is many lines; "... GLOBAL module.name ..." in it names the culprit.
+        culprit = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        if not unsafe and ("Weights only load failed" in str(exc) or "WeightsUnpickler" in str(exc)):
+            raise ConfigError(
+                f"Refusing to load {path}: it holds pickled objects other than tensors"
+                f"{f' (global {culprit.group(1)})' if culprit else ''}, and loading those can run arbitrary "
+                "code. If you trust its source, load it with --unsafe-load."
+            ) from exc
+        raise _unreadable(path, exc) from exc
+    except Exception as exc:  # noqa: BLE001 - torch raises many types for unreadable files
+        raise _unreadable(path, exc) from exc
+
+
+def _unreadable(path: str, exc: BaseException) -> ConfigError:
+    first_sentence = str(exc).strip().splitlines()[0].split(". ")[0] if str(exc).strip() else ""
+    return ConfigError(f"Cannot load {path}: {type(exc).__name__}: {first_sentence} (not a PyTorch file, or a "
+                       "truncated one: train again or download it again)")
 
 
 def load_weights(model: torch.nn.Module, path: str, *, unsafe: bool = False) -> dict[str, list[str]]:
@@ -33,16 +69,7 @@ def load_weights(model: torch.nn.Module, path: str, *, unsafe: bool = False) -> 
     model the file lacks, keys of the file the model lacks, and keys whose shapes differ
     (left at the model's values). ``num_batches_tracked`` buffers are never reported.
     """
-    if not os.path.isfile(path):
-        raise ConfigError(
-            f"Weights file not found: {path} (train first, or point TEST.WEIGHTS / TRAIN.WEIGHTS at a file)"
-        )
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=not unsafe)
-    except Exception as exc:  # noqa: BLE001 - torch raises many types for unreadable files
-        hint = " If you trust its source, load it with --unsafe-load." if "weights_only" in str(exc) else ""
-        first_line = str(exc).splitlines()[0] if str(exc) else ""
-        raise ConfigError(f"Cannot load weights from {path}: {type(exc).__name__}: {first_line}.{hint}") from exc
+    checkpoint = load_checkpoint(path, unsafe=unsafe)
     state = checkpoint.get("model", checkpoint) if isinstance(checkpoint, dict) else None
     if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"{path} holds no state_dict: expected a dict of tensors or a Pet checkpoint with 'model'")

@@ -37,7 +37,7 @@ from pet.engine.hooks.misc import EmptyCacheHook, ProfilerHook, SyncBuffersHook
 from pet.engine.hooks.test_hook import TestHook
 from pet.utils import comm
 from pet.utils.errors import ConfigError
-from pet.utils.registry import Registry, build_from_spec
+from pet.utils.registry import Registry, build_from_spec, resolve_spec
 
 __all__ = [
     "HOOKS",
@@ -93,10 +93,7 @@ def writer_class(spec: Mapping[str, Any]) -> type[EventWriter]:
     first turns a typo or a dotted path that does not import into a ConfigError before
     anything is written.
     """
-    name = spec.get("type", spec.get("TYPE"))
-    if not name:
-        raise ConfigError(f"TRAIN.WRITERS entry {dict(spec)} has no 'type': name a registered writer or a dotted path")
-    cls = WRITERS.get(name)
+    cls = resolve_spec(WRITERS, spec)
     if not (isinstance(cls, type) and issubclass(cls, EventWriter)):
         raise ConfigError(f"TRAIN.WRITERS entry {dict(spec)} names {cls!r}, which is not an EventWriter subclass")
     return cls

@@ -16,19 +16,23 @@ logger = logging.getLogger(__name__)
 
 
 class StageTimer:
-    """Durations of one named stage, one entry per (non-warm-up) iteration."""
+    """Durations of one named stage, one entry per (non-warm-up) iteration.
 
-    def __init__(self) -> None:
+    ``clock`` returns seconds (``time.perf_counter`` by default); tests pass a fake one.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
         self.durations: list[float] = []
         self._start: float | None = None
 
     def tic(self) -> None:
-        self._start = time.perf_counter()
+        self._start = self.clock()
 
     def toc(self, record: bool = True) -> float:
         if self._start is None:
             raise RuntimeError("toc() called before tic()")
-        elapsed = time.perf_counter() - self._start
+        elapsed = self.clock() - self._start
         self._start = None
         if record:
             self.durations.append(elapsed)
@@ -57,13 +61,18 @@ class TestHook:
 
     Subclass it and override ``before_test`` / ``after_test_iter`` / ``after_test``
     (keyword arguments, like train hooks) to act on test results.
+
+    ``clock`` (keyword only) is the time source of every timer, ``time.perf_counter``
+    by default; a test can pass a fake clock that advances only when it says so.
     """
 
     DEFAULT_TIMERS = ("iter", "data", "infer", "post")
     __test__ = False  # not a pytest test class, despite the name
 
-    def __init__(self, cfg_filename: str | None = None, logperiod: int = 10, num_warmup: int = 5) -> None:
+    def __init__(self, cfg_filename: str | None = None, logperiod: int = 10, num_warmup: int = 5, *,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.cfg_filename = cfg_filename
+        self.clock = clock
         self.logperiod = logperiod
         self.num_warmup = num_warmup
         self.cuda_sync = False
@@ -87,7 +96,7 @@ class TestHook:
     # ----------------------------------------------------------------- timers
     def add_timer(self, name: str) -> StageTimer:
         if name not in self.timers:
-            self.timers[name] = StageTimer()
+            self.timers[name] = StageTimer(self.clock)
         return self.timers[name]
 
     def reset_timer(self, name: str | None = None) -> None:
