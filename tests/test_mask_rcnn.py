@@ -15,6 +15,7 @@ from pet.config import load_cfg
 from pet.data import generate_shapes, get_dataset, register_coco_dataset
 from pet.evaluation import COCOEvaluator, evaluate_results_file
 from pet.modeling import build_model
+from pet.modeling.postprocess import paste_masks
 from pet.utils.errors import ConfigError, DataError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -183,3 +184,26 @@ def test_a_mask_of_the_wrong_size_is_a_clear_error(val_dataset, tmp_path):
                                   "segmentation": {"size": [image["height"] + 1, image["width"]], "counts": "0"}}]))
     with pytest.raises(DataError, match=r"mask of size .* but image 1 is"):
         evaluate_results_file(val_dataset, str(wrong))
+
+
+@pytest.mark.parametrize("count", [0, 1, 37])
+def test_pasted_masks_are_torchvisions_pasted_masks_thresholded(count):
+    """Pet pastes each mask only inside its box, straight into uint8; the pixels must be exactly those of
+    torchvision's paste_masks_in_image (full-image float canvases) thresholded at 0.5, for boxes inside
+    the image and across each of its edges, small and large."""
+    from torchvision.models.detection.roi_heads import paste_masks_in_image
+
+    gen = torch.Generator().manual_seed(count)
+    height, width = 96, 130
+    probs = torch.rand(count, 1, 28, 28, generator=gen)
+    # Detections are clipped to the image before pasting (torchvision's own paste fails on a box wholly
+    # outside); the mask expansion still carries boxes across every edge.
+    xy = torch.rand(count, 2, generator=gen) * torch.tensor([width + 10.0, height + 10.0]) - 20
+    wh = torch.rand(count, 2, generator=gen) * 90 + 25
+    boxes = torch.cat([xy, xy + wh], dim=1)
+    expected = (paste_masks_in_image(probs, boxes, (height, width))[:, 0] >= 0.5).to(torch.uint8)
+    pasted = paste_masks(probs, boxes, (height, width))
+    assert pasted.dtype == torch.uint8 and pasted.shape == (count, height, width)
+    assert torch.equal(pasted, expected)
+    if count:
+        assert 0 < int(expected.sum()) < expected.numel()  # real masks, not all-empty or all-full

@@ -169,6 +169,11 @@ def test_resnet34_and_resnet101_backbones_are_torchvisions_resnets_under_the_fpn
     assert [block[0].in_channels for block in backbone.fpn.inner_blocks] == _STAGE_CHANNELS[name]
 
 
+# The demo stops at ResNet-18's layer3; with all four stages every ImageNet tensor but fc has a place.
+ALL_FOUR_STAGES = ["MODEL.FPN.RETURNED_LAYERS", "[1, 2, 3, 4]",
+                   "MODEL.RPN.ANCHOR_SIZES", "[[16], [32], [64], [128], [256]]"]
+
+
 def test_imagenet_resnet_initialises_the_backbone(tmp_path, caplog):
     """Every tensor of the classifier but ``fc`` lands in ``backbone.body``: its BatchNorm statistics and affine
     parameters are drawn at random first, so that none equals what a freshly built model holds already."""
@@ -181,7 +186,7 @@ def test_imagenet_resnet_initialises_the_backbone(tmp_path, caplog):
             bn.num_batches_tracked.fill_(1000)
     path = tmp_path / "resnet18.pth"
     torch.save(classifier.state_dict(), path)
-    model = build_model(load_cfg(DEMO_CFG))
+    model = build_model(load_cfg(DEMO_CFG, ALL_FOUR_STAGES))
     with caplog.at_level(logging.WARNING, logger="pet.utils.weights"):
         report = load_weights(model, str(path))
     expected = {k: v for k, v in classifier.state_dict().items() if not k.startswith("fc.")}
@@ -221,7 +226,7 @@ def test_unknown_meta_architecture_is_a_clear_error():
 
 def test_anchor_levels_must_match_the_fpn():
     cfg = load_cfg(DEMO_CFG, ["MODEL.RPN.ANCHOR_SIZES", "[[16], [32]]"])
-    with pytest.raises(ConfigError, match="ANCHOR_SIZES has 2 entries.*5 feature levels"):
+    with pytest.raises(ConfigError, match="ANCHOR_SIZES has 2 entries.*4 feature levels"):
         build_model(cfg)
 
 
@@ -278,7 +283,7 @@ class SharedConvRPNHead(torch.nn.Module):
 def test_a_new_neck_is_a_backbone_entry_from_a_dotted_path(tmp_path):
     """The route pet/modeling/registry.py documents: the model trains through the new neck, and ImageNet ResNet
     weights still initialise backbone.body."""
-    cfg = load_cfg(DEMO_CFG, ["MODEL.BACKBONE.TYPE", f"{__name__}.resnet_lateral_neck"])
+    cfg = load_cfg(DEMO_CFG, ["MODEL.BACKBONE.TYPE", f"{__name__}.resnet_lateral_neck", *ALL_FOUR_STAGES])
     model = build_model(cfg)
     assert isinstance(model.backbone, ResNetWithLateralNeck)
     model.train()

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from fvcore.common.config import CfgNode
 
-from pet.config.defaults import get_default_cfg
+from pet.config.defaults import AUTO_OR_BOOL_KEYS, get_default_cfg
 from pet.utils.errors import ConfigError
 
 __all__ = ["CfgNode", "get_default_cfg", "load_cfg", "merge_opts", "default_output_dir"]
@@ -85,8 +85,11 @@ def validate_cfg(cfg: CfgNode) -> None:
         (solver.WARMUP_ITERS >= 0, f"SOLVER.WARMUP_ITERS must be >= 0, got {solver.WARMUP_ITERS}"),
         (solver.OPTIMIZER in ("SGD", "AdamW"), f"SOLVER.OPTIMIZER must be SGD or AdamW, got '{solver.OPTIMIZER}'"),
         (solver.LR_POLICY in ("step", "cosine"), f"SOLVER.LR_POLICY must be step or cosine, got '{solver.LR_POLICY}'"),
-        (solver.AMP.DTYPE in ("bfloat16", "float16"),
-         f"SOLVER.AMP.DTYPE must be bfloat16 or float16, got '{solver.AMP.DTYPE}'"),
+        *[(amp.ENABLED in ("auto", True, False), f"{key}.ENABLED must be auto, True or False, got {amp.ENABLED!r}")
+          for key, amp in (("SOLVER.AMP", solver.AMP), ("TEST.AMP", cfg.TEST.AMP))],
+        *[(amp.DTYPE in ("auto", "bfloat16", "float16"),
+           f"{key}.DTYPE must be auto, bfloat16 or float16, got '{amp.DTYPE}'")
+          for key, amp in (("SOLVER.AMP", solver.AMP), ("TEST.AMP", cfg.TEST.AMP))],
         (cfg.DEVICE in ("auto", "cpu", "cuda"), f"DEVICE must be auto, cpu or cuda, got '{cfg.DEVICE}'"),
         (cfg.DISPLAY_ITER > 0, f"DISPLAY_ITER must be > 0, got {cfg.DISPLAY_ITER}"),
         (cfg.DATA.ON_BAD_IMAGE in ("error", "skip"),
@@ -147,6 +150,8 @@ def _coerce(value: Any, default: Any, full_key: str, source: str) -> Any:
     if isinstance(value, str) and not isinstance(default, str):
         value = _parse_literal(value)  # YAML leaves "(1, 2)" or "[a]" a string; so does yacs' decoder
     if default is None or value is None or type(value) is type(default):
+        return value
+    if full_key in AUTO_OR_BOOL_KEYS and (isinstance(value, bool) or value == "auto"):
         return value
     if isinstance(default, float) and not isinstance(value, bool):
         # YAML 1.1 reads "1e-3" as a string and "1" as an int; both mean a float here.

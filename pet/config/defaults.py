@@ -36,6 +36,11 @@ _C.DATA.ON_BAD_IMAGE = "error"
 _C.DATA.STRICT = False
 # Batch images of similar aspect ratio together (less padding).
 _C.DATA.ASPECT_RATIO_GROUPING = True
+# Batch images of the same padded size together instead (height and width after the training
+# resize, rounded up to INPUT.SIZE_DIVISIBILITY): a mixed batch is padded to its largest image, so
+# the demo's native 192-256 px images convolve ~13% fewer pixels. Needs that size to be known in
+# advance (one INPUT.MIN_SIZE_TRAIN entry, 0 included); with several, batches group by aspect ratio.
+_C.DATA.SIZE_GROUPING = False
 
 # Input transforms (opencv). Sizes are in pixels.
 _C.INPUT = CN()
@@ -232,11 +237,15 @@ _C.SOLVER.CLIP_GRAD_NORM = 0.0
 # Skip an iteration whose loss is not finite (counted in the log) instead of stopping.
 _C.SOLVER.SKIP_NONFINITE = False
 
-# Mixed precision: autocast the forward pass.
+# Mixed precision of training (pet/engine/precision.py): autocast the forward pass.
 _C.SOLVER.AMP = CN()
-_C.SOLVER.AMP.ENABLED = False
-# "bfloat16" (CPU and recent GPUs) or "float16" (GPU, with gradient scaling).
-_C.SOLVER.AMP.DTYPE = "bfloat16"
+# "auto": what the hardware runs natively, as torch reports it: bfloat16 on a CPU with native
+# bfloat16 (AVX512-BF16/AMX), float32 on other CPUs (where bfloat16 is emulated, many times
+# slower), float16 with a gradient scaler on CUDA. True forces autocast (a CPU without native
+# support warns once), False forces float32. The log says which precision was picked and why.
+_C.SOLVER.AMP.ENABLED = "auto"
+# "auto" (bfloat16 on CPU, float16 on CUDA), "bfloat16" or "float16".
+_C.SOLVER.AMP.DTYPE = "auto"
 
 # ---------------------------------------------------------------------------------------
 # Training
@@ -347,6 +356,12 @@ _C.TEST.DATASETS = ("shapes_val",)
 _C.TEST.WEIGHTS = ""
 # Images per batch summed over all processes.
 _C.TEST.IMS_PER_BATCH = 1
+# Precision of inference, chosen as SOLVER.AMP's (auto / True / False; DTYPE auto / bfloat16 /
+# float16). False gives float32, where Pet's detections are those of torchvision's model in the same
+# memory format (the parity tests).
+_C.TEST.AMP = CN()
+_C.TEST.AMP.ENABLED = "auto"
+_C.TEST.AMP.DTYPE = "auto"
 # Validate every EVAL_PERIOD iterations (epochs in epoch mode) and after training; 0: no validation
 # while training (test_net.py evaluates the final model).
 _C.TEST.EVAL_PERIOD = 0
@@ -364,6 +379,10 @@ _C.TEST.PRECISE_BN.ENABLED = False
 _C.TEST.PRECISE_BN.PERIOD = 0
 # Batches used for the statistics.
 _C.TEST.PRECISE_BN.NUM_ITER = 200
+
+
+# Keys that take "auto", True or False (YAML and the command line may switch between them).
+AUTO_OR_BOOL_KEYS = ("SOLVER.AMP.ENABLED", "TEST.AMP.ENABLED")
 
 
 def get_default_cfg() -> CN:

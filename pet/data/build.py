@@ -26,6 +26,7 @@ from pet.data.catalog import get_dataset, register_custom_datasets
 from pet.data.dataset import COCODataset, DetectionDataset, LoadFailure, require_masks
 from pet.data.mapper import DatasetMapper
 from pet.data.samplers import BatchSampler, EpochSampler, GroupedBatchSampler, InferenceSampler, TrainingSampler
+from pet.data.transforms import resized_shape
 from pet.utils import comm
 from pet.utils.errors import ConfigError, DataError
 from pet.utils.table import format_table
@@ -163,13 +164,26 @@ def build_train_loader(cfg: CfgNode, mapper: DatasetMapper | None = None) -> Pet
                               f"than the per-process batch of {batch_size}; lower SOLVER.IMS_PER_BATCH.")
     else:
         sampler = TrainingSampler(len(dataset), seed)
-    if cfg.DATA.ASPECT_RATIO_GROUPING:
-        batch_sampler: torch.utils.data.Sampler = GroupedBatchSampler(
-            sampler, (dataset.aspect_ratios >= 1).astype(np.int64), batch_size
-        )
+    if cfg.DATA.SIZE_GROUPING or cfg.DATA.ASPECT_RATIO_GROUPING:
+        batch_sampler: torch.utils.data.Sampler = GroupedBatchSampler(sampler, _group_ids(cfg, dataset), batch_size)
     else:
         batch_sampler = BatchSampler(sampler, batch_size, drop_last=True)
     return _make_loader(cfg, dataset, seed, batch_sampler=batch_sampler)
+
+
+def _group_ids(cfg: CfgNode, dataset: DetectionDataset) -> np.ndarray:
+    """Per image: the index of its padded training size (``DATA.SIZE_GROUPING`` with one training scale),
+    else landscape (1) or portrait (0)."""
+    scales = tuple(cfg.INPUT.MIN_SIZE_TRAIN)
+    if cfg.DATA.SIZE_GROUPING and len(scales) == 1:
+        sizes = dataset.image_sizes if scales[0] <= 0 else np.array(
+            [resized_shape(h, w, scales[0], cfg.INPUT.MAX_SIZE_TRAIN) for h, w in dataset.image_sizes]).reshape(-1, 2)
+        divisor = max(cfg.INPUT.SIZE_DIVISIBILITY, 1)
+        return np.unique(-(-sizes // divisor), axis=0, return_inverse=True)[1].reshape(-1)
+    if cfg.DATA.SIZE_GROUPING:
+        logger.info(f"DATA.SIZE_GROUPING: sizes vary with the {len(scales)} INPUT.MIN_SIZE_TRAIN scales, "
+                    "so batches group by aspect ratio instead")
+    return (dataset.aspect_ratios >= 1).astype(np.int64)
 
 
 def build_test_loader(cfg: CfgNode, dataset_name: str, mapper: DatasetMapper | None = None) -> PetDataLoader:

@@ -213,7 +213,8 @@ class DetectionDataset(torch.utils.data.Dataset):
             if dropped:
                 logger.info(f"Removed {dropped} images without annotations from '{self.name}' (DATA.FILTER_EMPTY).")
         records = self._check_files_exist(records)
-        self.aspect_ratios = np.array([r["width"] / r["height"] for r in records], dtype=np.float32)
+        self.image_sizes = np.array([(r["height"], r["width"]) for r in records], dtype=np.int64).reshape(-1, 2)
+        self.aspect_ratios = (self.image_sizes[:, 1] / self.image_sizes[:, 0]).astype(np.float32)
         serialized = [np.frombuffer(pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
                       for r in records]
         self._offsets = np.cumsum([0] + [len(s) for s in serialized])

@@ -15,13 +15,14 @@ import torch
 from fvcore.common.config import CfgNode
 
 from pet.engine.hooks.test_hook import TestHook
+from pet.engine.precision import Precision, choose_precision
 from pet.engine.trainer import call_model
 from pet.utils import comm
 from pet.utils.registry import EVALUATOR_REGISTRY, build_from_spec
 from pet.utils.tensor import move_to_device
 from pet.utils.timers import activate
 
-__all__ = ["Evaluator", "inference_on_dataset", "evaluate_on_datasets", "build_test_hooks"]
+__all__ = ["Evaluator", "inference_on_dataset", "evaluate_on_datasets", "build_test_hooks", "inference_precision"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,11 @@ def inference_on_dataset(
     evaluator: Evaluator,
     test_hook: TestHook | None = None,
     hooks: Iterable[TestHook] = (),
+    precision: Precision | None = None,
 ) -> dict[str, dict[str, float]]:
     """Run ``model`` in eval mode over ``data_loader`` and return ``evaluator.evaluate()``.
+
+    ``precision`` (from :func:`inference_precision`) autocasts the model's forward; float32 when not given.
 
     ``test_hook`` times the stages (per batch: data, infer, post; iter = all three plus
     the loop itself); the periodic ``[Testing]`` line also shows any extra timers (for
@@ -79,7 +83,8 @@ def inference_on_dataset(
 
             test_hook.infer_tic()
             batch = move_to_device(batch, device)
-            outputs = call_model(model, batch)
+            with precision.autocast() if precision is not None else contextlib.nullcontext():
+                outputs = call_model(model, batch)
             test_hook.wait()
             test_hook.infer_toc()
 
@@ -103,6 +108,11 @@ def inference_on_dataset(
     for hook in callbacks:
         hook.after_test(results=getattr(evaluator, "predictions", None), metrics=metrics)
     return metrics
+
+
+def inference_precision(cfg: CfgNode, device: torch.device) -> Precision:
+    """Inference precision from ``TEST.AMP`` (the rule of :mod:`pet.engine.precision`)."""
+    return choose_precision(cfg.TEST.AMP.ENABLED, cfg.TEST.AMP.DTYPE, device, training=False, key="TEST.AMP")
 
 
 def build_test_hooks(cfg: CfgNode, cfg_filename: str | None = None) -> tuple[TestHook, list[TestHook]]:
@@ -133,12 +143,14 @@ def evaluate_on_datasets(
     from pet.data import build_test_loader
 
     datasets = list(cfg.TEST.DATASETS)
+    precision = inference_precision(cfg, next(model.parameters()).device)
+    logger.info(f"Test precision: {precision}")
     flat: dict[str, float] = {}
     for name in datasets:
         loader = build_test_loader(cfg, name)
         out_dir = output_dir if len(datasets) == 1 else os.path.join(output_dir, name)
         evaluator = EVALUATOR_REGISTRY.get("COCOEvaluator")(loader.dataset, out_dir)
-        results = inference_on_dataset(model, loader, evaluator, test_hook, hooks)
+        results = inference_on_dataset(model, loader, evaluator, test_hook, hooks, precision)
         prefix = "" if len(datasets) == 1 else f"{name}/"
         for task, values in results.items():
             for metric, value in values.items():

@@ -32,6 +32,7 @@ from pet.engine.events import EventStorage
 from pet.engine.hooks.base import HookDispatcher, TrainHook, get_priority
 from pet.engine.hooks.checkpoint import CheckpointHook
 from pet.engine.optim import build_lr_scheduler, build_optimizer
+from pet.engine.precision import choose_precision
 from pet.utils import comm
 from pet.utils.compile import compile_submodules
 from pet.utils.errors import ConfigError, TrainingError, TrainingInterrupted
@@ -123,10 +124,9 @@ class Trainer:
         self.optimizer = optimizer if optimizer is not None else build_optimizer(cfg, unwrap_model(model))
         self.scheduler = scheduler if scheduler is not None else build_lr_scheduler(cfg, self.optimizer, self.max_iter)
 
-        amp = cfg.SOLVER.AMP
-        self._amp_dtype = getattr(torch, amp.DTYPE) if amp.ENABLED else None
-        use_scaler = amp.ENABLED and amp.DTYPE == "float16" and self.device.type == "cuda"
-        self.grad_scaler = torch.amp.GradScaler("cuda") if use_scaler else None
+        self.precision = choose_precision(cfg.SOLVER.AMP.ENABLED, cfg.SOLVER.AMP.DTYPE, self.device, training=True)
+        logger.info(f"Training precision: {self.precision}")
+        self.grad_scaler = torch.amp.GradScaler("cuda") if self.precision.grad_scaler else None
 
         self.iter = self.start_iter = 0
         self.epoch = 0
@@ -385,10 +385,7 @@ class Trainer:
             batch = move_to_device(batch, self.device)
         data_seconds = time.perf_counter() - start
 
-        autocast = (
-            torch.autocast(self.device.type, dtype=self._amp_dtype) if self._amp_dtype else contextlib.nullcontext()
-        )
-        with autocast:
+        with self.precision.autocast():
             loss_dict = call_model(self.model, batch)
         if not isinstance(loss_dict, dict) or not loss_dict:
             raise TrainingError(

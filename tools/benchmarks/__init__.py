@@ -1,0 +1,1 @@
+"""The benchmarks behind tools/benchmark.py, one module per job; common.py holds what they share."""

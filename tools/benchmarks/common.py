@@ -1,0 +1,53 @@
+"""What every benchmark shares: interleaved runs and the machine fingerprint printed with each table."""
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torchvision
+
+from pet.engine.precision import cpu_has_native
+
+__all__ = ["interleaved", "fingerprint", "format_fingerprint"]
+
+
+def interleaved(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[Any]]:
+    """Call every run once per round, rotating which goes first (AB, BA, AB, ...), and collect the samples.
+
+    Machine noise and drift then hit every side alike, and no side always runs on the caches the
+    other just warmed. A run returning ``None`` (e.g. a framework that is not installed) adds no sample.
+    """
+    names = list(runs)
+    samples: dict[str, list[Any]] = {name: [] for name in names}
+    for round_index in range(repeats):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            value = runs[name]()
+            if value is not None:
+                samples[name].append(value)
+    return samples
+
+
+def fingerprint() -> dict[str, Any]:
+    """The machine as it affects speed: CPU model, torch's CPU capability, native bfloat16, threads, versions."""
+    model = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    return {
+        "cpu": model, "cores": os.cpu_count(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "native_bfloat16": cpu_has_native("bfloat16"), "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "torchvision": torchvision.__version__,
+        "emulation": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ},
+    }
+
+
+def format_fingerprint(fp: dict[str, Any]) -> str:
+    settings = " ".join(f"{k}={v}" for k, v in fp["emulation"].items())
+    emulated = f" (emulated: {settings})" if settings else ""
+    return (f"machine: {fp['cpu']}, {fp['cores']} cores, torch CPU capability {fp['torch_cpu_capability']}"
+            f"{emulated}, native bf16 {'yes' if fp['native_bfloat16'] else 'no'}, {fp['threads']} thread(s), "
+            f"torch {fp['torch']}, torchvision {fp['torchvision']}")
