@@ -108,6 +108,8 @@ class Trainer:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
         self.model = model
+        # Whether the loader is the config's (TRAIN.DATASETS) or the caller's: PreciseBN estimates on the caller's.
+        self.data_loader_from_cfg = data_loader is None
         if data_loader is None:
             from pet.data import build_train_loader
 
@@ -130,6 +132,7 @@ class Trainer:
 
         self.iter = self.start_iter = 0
         self.epoch = 0
+        self._loaded = False  # resume_or_load ran (train() runs it otherwise, as TRAIN.AUTO_RESUME says)
         self.stop_training = False
         self._stop_signal: int | None = None
         self._stop_signal_any_rank = 0
@@ -231,7 +234,12 @@ class Trainer:
         return path
 
     def resume_or_load(self, resume: bool = True, *, unsafe: bool = False) -> None:
-        """Resume from ``last_checkpoint`` when ``resume`` and one exists; else load ``TRAIN.WEIGHTS``."""
+        """Resume from ``last_checkpoint`` when ``resume`` and one exists; else load ``TRAIN.WEIGHTS``.
+
+        :meth:`train` calls it with ``resume=TRAIN.AUTO_RESUME`` unless it was called before, so the
+        key means the same from Python as from tools/train_net.py.
+        """
+        self._loaded = True
         last = read_last_checkpoint(self.output_dir) if resume else None
         if last is not None:
             self.load_resume_state(load_checkpoint(last, unsafe=unsafe))
@@ -263,6 +271,8 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def train(self) -> None:
         """Run from ``start_iter`` to ``max_iter``; ``after_train`` runs even when a step fails."""
+        if not self._loaded:
+            self.resume_or_load(resume=self.cfg.TRAIN.AUTO_RESUME)
         logger.info(f"Hooks in call order:\n{self.hook_order_table()}")
         logger.info(f"Starting training from iteration {self.start_iter} to {self.max_iter}")
         self.model.train()
@@ -289,7 +299,7 @@ class Trainer:
 
     def _train_iterations(self) -> None:
         self.call_hooks("before_epoch")
-        self._data_iter = self._start_pass(self.start_iter)
+        self._data_iter = self._endless_batches(self.start_iter)
         while self.iter < self.max_iter and not self.stop_training:
             self._step()
         self.call_hooks("after_epoch")
@@ -297,10 +307,7 @@ class Trainer:
     def _train_epochs(self) -> None:
         skip = self.start_iter - self.epoch * self.iters_per_epoch
         while self.epoch < self.max_epochs and not self.stop_training:
-            loader = self.data_loader
-            for holder in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
-                if hasattr(holder, "set_epoch"):
-                    holder.set_epoch(self.epoch)
+            self._set_sampler_epoch(self.epoch)
             self.call_hooks("before_epoch")
             self._data_iter = self._start_pass(skip)
             skip = 0
@@ -309,6 +316,39 @@ class Trainer:
                 self._step()
             self.call_hooks("after_epoch")
             self.epoch += 1
+
+    def _set_sampler_epoch(self, epoch: int) -> None:
+        for holder in (getattr(self.data_loader, "batch_sampler", None), getattr(self.data_loader, "sampler", None)):
+            if hasattr(holder, "set_epoch"):
+                holder.set_epoch(epoch)
+
+    def _endless_batches(self, start_iter: int) -> Iterator[Any]:
+        """Iteration mode's batch stream from iteration ``start_iter`` on.
+
+        Pet's loaders (``set_start_iter``) are infinite and skip by index arithmetic. Any other
+        loader is cycled pass after pass, ``set_epoch(k)`` on its sampler before pass k, as
+        MMEngine's iteration loop does; a resume drops the batches already consumed.
+        """
+        if hasattr(self.data_loader, "set_start_iter"):
+            self.data_loader.set_start_iter(start_iter)
+            yield from self.data_loader
+            return
+        try:
+            epoch, skip = divmod(start_iter, len(self.data_loader))  # type: ignore[arg-type]
+        except (TypeError, ZeroDivisionError):  # no length (or 0, reported below): drop batch by batch
+            epoch, skip = 0, start_iter
+        while True:
+            self._set_sampler_epoch(epoch)
+            drawn = 0
+            for batch in self.data_loader:
+                drawn += 1
+                if drawn > skip:
+                    yield batch
+            if drawn == 0:
+                raise TrainingError(f"The training data loader ({type(self.data_loader).__name__}) yielded no batch; "
+                                    "check that its dataset is not empty and its batch size fits it.")
+            skip = max(0, skip - drawn)
+            epoch += 1
 
     def _start_pass(self, skip_batches: int) -> Iterator[Any]:
         """An iterator over the loader that starts after ``skip_batches`` batches (resuming).

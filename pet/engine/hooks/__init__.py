@@ -115,8 +115,10 @@ def build_custom_hooks(specs: list[dict[str, Any]], output_dir: str) -> list[Tra
 def build_train_hooks(cfg: CfgNode, trainer: Any) -> list[TrainHook]:
     """The default hooks for ``cfg`` (order: see the module docstring). Only the main process writes."""
     hooks: list[TrainHook] = [IterationTimer(), LRScheduler()]
-    if cfg.TEST.PRECISE_BN.ENABLED:
-        hooks.append(PreciseBN.from_config(cfg))
+    if cfg.TEST.PRECISE_BN.ENABLED:  # on the caller's data when the caller gave the trainer a loader
+        precise_bn = cfg.TEST.PRECISE_BN
+        hooks.append(PreciseBN.from_config(cfg) if getattr(trainer, "data_loader_from_cfg", True)
+                     else PreciseBN(precise_bn.PERIOD, precise_bn.NUM_ITER))
     h = cfg.HOOKS
     if h.EMA.ENABLED:
         hooks.append(EMAHook(h.EMA.MOMENTUM, h.EMA.INTERVAL, h.EMA.BEGIN_ITER, h.EMA.BEGIN_EPOCH, h.EMA.ANNEAL_ITERS))
