@@ -100,16 +100,6 @@ class IndexedToyLoader(ToyLoader):
             index += 1
 
 
-def random_padded_batch(sizes: list[tuple[int, int]], seed: int = 1) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Random uint8 images of ``sizes`` (h, w) and the same images zero-padded into one [B, 3, H, W] batch."""
-    gen = torch.Generator().manual_seed(seed)
-    images = [torch.randint(0, 256, (3, h, w), generator=gen, dtype=torch.uint8) for h, w in sizes]
-    batch = torch.zeros(len(sizes), 3, max(h for h, _ in sizes), max(w for _, w in sizes), dtype=torch.uint8)
-    for padded, image in zip(batch, images):
-        padded[:, : image.shape[1], : image.shape[2]] = image
-    return images, batch
-
-
 def run_two_ranks(worker: Any, init_file: Any, *args: Any, timeout: float = 120) -> list[Any]:
     """Run ``worker(rank, init_file, *args, queue)`` in two processes; what they put on the queue, sorted.
 
