@@ -63,6 +63,7 @@ def inference_on_dataset(
     test_hook = test_hook or TestHook()
     callbacks = [test_hook, *hooks]
     device = next(model.parameters()).device
+    precision = precision or Precision(device.type, None, False, "no precision given")
     test_hook.cuda_sync = device.type == "cuda"
     test_hook.device = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     test_hook.ims_per_batch = getattr(data_loader, "batch_size", None) or 1
@@ -83,7 +84,7 @@ def inference_on_dataset(
 
             test_hook.infer_tic()
             batch = move_to_device(batch, device)
-            with precision.autocast() if precision is not None else contextlib.nullcontext():
+            with precision.autocast():
                 outputs = call_model(model, batch)
             test_hook.wait()
             test_hook.infer_toc()

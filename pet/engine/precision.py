@@ -25,7 +25,7 @@ import torch
 
 from pet.utils.errors import ConfigError
 
-__all__ = ["Precision", "choose_precision", "cpu_has_native", "describe_cpu"]
+__all__ = ["Precision", "choose_precision", "cpu_has_native"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,24 +69,15 @@ def cpu_has_native(dtype: str) -> bool:
     return bool(check())
 
 
-def describe_cpu() -> str:
-    """torch's view of the CPU: ``capability AVX512, native bfloat16 yes``."""
-    native = "yes" if cpu_has_native("bfloat16") else "no"
-    return f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}, native bfloat16 {native}"
-
-
 def choose_precision(enabled: Any, dtype: str, device: torch.device | str, *, training: bool,
                      key: str = "SOLVER.AMP") -> Precision:
     """Decide the precision for ``device`` from ``{key}.ENABLED`` (auto/True/False) and ``{key}.DTYPE``.
 
-    ``dtype`` is "auto" (bfloat16 on CPU, float16 on CUDA), "bfloat16" or "float16".
-    Raises :class:`ConfigError` for values that cannot work (bfloat16 on a GPU without it).
+    ``dtype`` is "auto" (bfloat16 on CPU, float16 on CUDA), "bfloat16" or "float16" (the values
+    :func:`pet.config.validate_cfg` admits). Raises :class:`ConfigError` for a choice the hardware
+    cannot run (bfloat16 on a GPU without it).
     """
     device_type = torch.device(device).type
-    if enabled not in ("auto", True, False):
-        raise ConfigError(f"{key}.ENABLED must be auto, True or False, got {enabled!r}")
-    if dtype not in ("auto", *_DTYPES):
-        raise ConfigError(f"{key}.DTYPE must be auto, bfloat16 or float16, got {dtype!r}")
     if enabled is False:
         return Precision(device_type, None, False, f"{key}.ENABLED False")
     if device_type == "cuda":

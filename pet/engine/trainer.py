@@ -330,8 +330,7 @@ class Trainer:
         MMEngine's iteration loop does; a resume drops the batches already consumed.
         """
         if hasattr(self.data_loader, "set_start_iter"):
-            self.data_loader.set_start_iter(start_iter)
-            yield from self.data_loader
+            yield from self._start_pass(start_iter)
             return
         try:
             epoch, skip = divmod(start_iter, len(self.data_loader))  # type: ignore[arg-type]
