@@ -23,6 +23,7 @@ import torch
 from fvcore.common.history_buffer import HistoryBuffer
 
 from pet.engine.checkpoint import atomic_write_bytes
+from pet.utils.registry import Registry
 
 __all__ = [
     "EventStorage",
@@ -32,6 +33,7 @@ __all__ = [
     "JSONWriter",
     "TensorboardXWriter",
     "read_metrics",
+    "WRITERS",
 ]
 
 # History kept per scalar. Windows used for smoothing are far smaller; the global
@@ -222,6 +224,12 @@ class TensorboardXWriter(EventWriter):
 
     def close(self) -> None:
         self._writer.close()
+
+
+WRITERS = Registry("event writer")
+WRITERS.__doc__ = "EventWriter classes by name, for TRAIN.WRITERS entries in YAML."
+for _writer in (CommonMetricPrinter, JSONWriter, TensorboardXWriter):
+    WRITERS.register(_writer)
 
 
 def read_metrics(json_file: str) -> list[dict[str, float]]:

@@ -26,7 +26,7 @@ from typing import Any
 
 from fvcore.common.config import CfgNode
 
-from pet.engine.events import CommonMetricPrinter, EventWriter, JSONWriter, TensorboardXWriter
+from pet.engine.events import WRITERS, CommonMetricPrinter, EventWriter, JSONWriter, TensorboardXWriter
 from pet.engine.hooks.base import HOOKS, MOUNT_POINTS, HookDispatcher, Priority, TrainHook, get_priority
 from pet.engine.hooks.checkpoint import CheckpointHook
 from pet.engine.hooks.common import IterationTimer, LRScheduler, PeriodicWriter, PreciseBN, TrainingCurves
@@ -37,7 +37,7 @@ from pet.engine.hooks.misc import EmptyCacheHook, ProfilerHook, SyncBuffersHook
 from pet.engine.hooks.test_hook import TestHook
 from pet.utils import comm
 from pet.utils.errors import ConfigError
-from pet.utils.registry import Registry, build_from_spec, resolve_spec
+from pet.utils.registry import build_from_spec, resolve_spec
 
 __all__ = [
     "HOOKS",
@@ -67,11 +67,6 @@ __all__ = [
     "writer_class",
     "build_custom_hooks",
 ]
-
-WRITERS = Registry("event writer")
-for _writer in (CommonMetricPrinter, JSONWriter, TensorboardXWriter):
-    WRITERS.register(_writer)
-
 
 def build_writers(cfg: CfgNode, max_iter: int, start_iter: int = 0) -> list[EventWriter]:
     """Terminal printer, metrics.json, TensorBoard (as configured) and ``TRAIN.WRITERS`` entries."""
