@@ -1,6 +1,18 @@
 """Pet: a PyTorch toolbox for object detection and instance segmentation."""
 from setuptools import find_packages, setup
 
+# Optional features stay out of the base install; "test" pulls them all in so the suite
+# exercises them for real (offline W&B, a local MLflow store, faster-coco-eval).
+_OPTIONAL = {
+    "wandb": ["wandb>=0.31,<1"],
+    "mlflow": ["mlflow-skinny>=3.17,<4", "sqlalchemy>=1.4,<3", "alembic>=1.8,!=1.10.0,<2"],
+    "fast-eval": ["faster-coco-eval>=1.8"],
+}
+_EXTRAS = {
+    **_OPTIONAL,
+    "test": ["pytest>=7", "ruff"] + [req for reqs in _OPTIONAL.values() for req in reqs],
+}
+
 setup(
     name="pet",
     version="0.1.0",
@@ -20,5 +32,5 @@ setup(
         "numpy",
         "PyYAML",
     ],
-    extras_require={"test": ["pytest>=7", "ruff"]},
+    extras_require=_EXTRAS,
 )

@@ -1,15 +1,22 @@
-"""Shared fixtures: a tiny regression model and loaders that cost nothing to run."""
+"""Shared fixtures: a tiny regression model and loaders that cost nothing to run, and the session's shapes sets.
+
+Plain helpers (running tools, opts, small COCO files, detector batches) are in ``helpers.py``.
+"""
 from __future__ import annotations
 
 import multiprocessing
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 
 from pet.config import load_cfg
+from pet.data import generate_shapes
+from pet.engine.hooks import Priority, TrainHook
+from pet.engine.trainer import Trainer
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
@@ -26,6 +33,23 @@ class ToyModel(torch.nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         pred = self.linear(self.bn(x))
         return {"loss_mse": torch.nn.functional.mse_loss(pred, y), "loss_l1": (pred - y).abs().mean()}
+
+
+class NanLossModel(ToyModel):
+    """A :class:`ToyModel` whose ``loss_l1`` is NaN at its ``nan_at``-th call (on process ``rank`` only, when given)."""
+
+    def __init__(self, nan_at: int, rank: int | None = None) -> None:
+        super().__init__()
+        self.nan_at = nan_at
+        self.rank = rank
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.calls += 1
+        losses = super().forward(x, y)
+        if self.calls == self.nan_at and (self.rank is None or torch.distributed.get_rank() == self.rank):
+            losses["loss_l1"] = losses["loss_l1"] * float("nan")
+        return losses
 
 
 class ToyLoader:
@@ -53,6 +77,28 @@ class InfiniteToyLoader(ToyLoader):
         while True:
             x = torch.randn(self.batch_size, 4, generator=gen) * 3 + self.offset
             yield x, x.sum(dim=1, keepdim=True)
+
+
+@pytest.fixture(scope="session")
+def shapes_set(tmp_path_factory) -> Callable[..., str]:
+    """``shapes_set(num_train, num_val, seed=1)``: the root of a generated shapes set, written once per session.
+
+    Tests that ask for the same arguments share one set (tests only read it). Image ``i`` of a split
+    depends only on the seed and ``i``, so a smaller set holds the first images of a larger one.
+    """
+    base = tmp_path_factory.mktemp("shapes")
+
+    def make(num_train: int, num_val: int, seed: int = 1) -> str:
+        return generate_shapes(str(base / f"train{num_train}-val{num_val}-seed{seed}"), num_train=num_train,
+                               num_val=num_val, seed=seed)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def shapes_root(shapes_set) -> str:
+    """12 training and 6 validation images: the set the data-pipeline tests read."""
+    return shapes_set(num_train=12, num_val=6)
 
 
 @pytest.fixture
@@ -98,6 +144,68 @@ class IndexedToyLoader(ToyLoader):
         while self.num_batches <= 0 or index < self.num_batches:
             yield self.batch(index)
             index += 1
+
+
+def toy_trainer(cfg: Any, *hooks: Any, loader: Any = None, seed: int = 0, default_hooks: bool = True) -> Trainer:
+    """A Trainer of a seeded :class:`ToyModel` on an :class:`IndexedToyLoader` (or ``loader``), plus ``hooks``."""
+    torch.manual_seed(seed)
+    trainer = Trainer(cfg, model=ToyModel(), data_loader=loader if loader is not None else IndexedToyLoader(),
+                      default_hooks=default_hooks)
+    trainer.register_hooks(hooks)
+    return trainer
+
+
+class CrashAt(TrainHook):
+    """Raises in ``before_step`` once ``at`` iterations are complete, like a process killed there."""
+
+    priority = Priority.HIGHEST
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def before_step(self, trainer: Any, **kwargs: Any) -> None:
+        if trainer.iter == self.at + 1:
+            raise RuntimeError("simulated crash")
+
+
+def hook_of(trainer: Trainer, cls: type) -> Any:
+    """The first hook of class ``cls`` the trainer has."""
+    return next(h for h in trainer.hooks if isinstance(h, cls))
+
+
+def regular_iters(directory: Any) -> list[int]:
+    """The N of every ``model_iter{N}.pth`` in ``directory``, sorted."""
+    return sorted(int(m.group(1)) for f in os.listdir(directory) if (m := re.fullmatch(r"model_iter(\d+)\.pth", f)))
+
+
+def scripted_eval(table: dict[int, dict[str, float]], calls: list[int] | None = None) -> Callable[[Any], dict]:
+    """An eval function returning ``table[iterations completed]`` (a dict of metrics); records the calls."""
+
+    def evaluate(trainer: Any) -> dict[str, float]:
+        if calls is not None:
+            calls.append(trainer.iter)
+        return table[trainer.iter]
+
+    return evaluate
+
+
+def record_saves(trainer: Trainer) -> list[tuple[str, int]]:
+    """``(filename, iteration)`` of every checkpoint the trainer writes from now on."""
+    saves = []
+    original = trainer.save_checkpoint
+
+    def spy(filename: str, **kwargs: Any) -> str:
+        saves.append((filename, trainer.iter))
+        return original(filename, **kwargs)
+
+    trainer.save_checkpoint = spy
+    return saves
+
+
+@pytest.fixture
+def cfg_for(make_cfg):
+    """``make_cfg`` with metrics.json and curves off (fast) and a rare display: ``cfg_for(KEY, VALUE, ...)``."""
+    return lambda *opts: make_cfg("TRAIN.SAVE_AS_JSON", False, "DISPLAY_ITER", 100, *opts)
 
 
 def run_two_ranks(worker: Any, init_file: Any, *args: Any, timeout: float = 120) -> list[Any]:

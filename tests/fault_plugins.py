@@ -117,7 +117,7 @@ class PauseForSignal(TrainHook):
         self.fd = fd
 
     def after_step(self, trainer: Any, **kwargs: Any) -> None:
-        if trainer.iter + 1 != self.at:
+        if trainer.iter != self.at:
             return
         signals = {signal.SIGTERM, signal.SIGINT}
         signal.pthread_sigmask(signal.SIG_BLOCK, signals)

@@ -28,7 +28,7 @@ class KillAt(TrainHook):
         self.output_dir = output_dir
 
     def after_step(self, trainer: Any, **kwargs: Any) -> None:
-        k = trainer.iter + 1
+        k = trainer.iter
         marker = os.path.join(self.output_dir, f"killed_at_{k}")
         if k in self.at and not os.path.exists(marker):
             with open(marker, "w", encoding="utf-8"):

@@ -32,6 +32,9 @@ convolutions add in different orders, so torchvision's own model gives slightly 
 formats (the ``CONTIGUOUS`` tolerance below), while Pet's numbers are bit-identical to torchvision's model
 moved to channels-last. Inference is compared with both; training with the channels-last run only (see
 :func:`check_training_parity`).
+
+Over 400 lines on purpose: the weights, inputs and both checks above form one harness, and the
+checks only mean something when read together with how the weights and inputs were chosen.
 """
 from __future__ import annotations
 

@@ -105,3 +105,19 @@ def test_iterations_and_epochs_together_are_rejected(tmp_path):
     with pytest.raises(ConfigError, match="Both SOLVER.MAX_ITER .* and SOLVER.MAX_EPOCHS"):
         load_cfg(None, ["SOLVER.MAX_ITER", "100", "SOLVER.MAX_EPOCHS", "2"])
     assert load_cfg(None, ["SOLVER.MAX_EPOCHS", "2"]).SOLVER.MAX_EPOCHS == 2  # the MAX_ITER default is ignored
+
+
+@pytest.mark.parametrize("old, new", [("HOOKS.CHECKPOINT.INTERVAL", "HOOKS.CHECKPOINT.PERIOD"),
+                                      ("HOOKS.EMA.INTERVAL", "HOOKS.EMA.PERIOD")])
+def test_a_renamed_key_still_loads_with_a_warning_naming_the_new_one(tmp_path, caplog, old, new):
+    section, leaf = old.rsplit(".", 1)
+    yaml_file = tmp_path / "old.yaml"
+    yaml_file.write_text(f"{section.split('.')[0]}:\n  {section.split('.')[1]}:\n    {leaf}: 7\n")
+    with caplog.at_level("WARNING", logger="pet.config"):
+        from_yaml = load_cfg(str(yaml_file))
+        from_opts = load_cfg(None, [old, "9"])
+    assert from_yaml[section.split(".")[0]][section.split(".")[1]].PERIOD == 7
+    assert from_opts[section.split(".")[0]][section.split(".")[1]].PERIOD == 9
+    assert [r.getMessage() for r in caplog.records] == [
+        f"Config key '{old}' in {yaml_file} is now called '{new}'; please rename it.",
+        f"Config key '{old}' in command line is now called '{new}'; please rename it."]

@@ -5,54 +5,29 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import run_two_ranks
+from helpers import DEMO_CFG, run_tool, tiny_set_opts
 
-from pet.data import generate_shapes
 from pet.engine import defaults
 from pet.engine.defaults import distributed_backend, init_distributed
 from pet.engine.events import read_metrics
 from pet.utils import comm
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEMO_CFG = os.path.join(ROOT, "cfgs", "shapes", "faster_rcnn_R-18-FPN.yaml")
-
-
-def run_tool(tool: str, *args: str, nproc: int = 1, check: bool = True) -> subprocess.CompletedProcess:
-    """Run a tool in ``nproc`` processes (torchrun when > 1), one thread each; fail with its output."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    launcher = [sys.executable]
-    if nproc > 1:
-        # --standalone: a local rendezvous on a port the OS picks, so parallel runs never collide
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    proc = subprocess.run([*launcher, os.path.join(ROOT, "tools", tool), *args], capture_output=True, text=True,
-                          env=env, timeout=300)
-    if check and proc.returncode != 0:
-        output = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        raise AssertionError(f"{tool} x{nproc} failed ({proc.returncode}):\n{output}")
-    return proc
-
 
 @pytest.fixture(scope="module")
-def tiny_set(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("shapes"))
-    generate_shapes(root, num_train=8, num_val=6, seed=1)
-    return root
+def tiny_set(shapes_set):
+    """8 training images: 4 iterations of 2 images are one pass; 6 validation images: 3 per rank."""
+    return shapes_set(num_train=8, num_val=6)
 
 
 def _opts(tiny_set: str, ckpt: str, max_iter: int = 4, test_batch: int = 1) -> list[str]:
-    custom = (f"[{{'name': 'tiny_train', 'json': '{tiny_set}/annotations/train.json', 'images': '{tiny_set}/train'}}, "
-              f"{{'name': 'tiny_val', 'json': '{tiny_set}/annotations/val.json', 'images': '{tiny_set}/val'}}]")
-    return ["CKPT", ckpt, "DATA.CUSTOM", custom, "TRAIN.DATASETS", "('tiny_train',)",
-            "TEST.DATASETS", "('tiny_val',)", "SOLVER.MAX_ITER", str(max_iter), "SOLVER.IMS_PER_BATCH", "2",
-            "TEST.IMS_PER_BATCH", str(test_batch), "DATA.NUM_WORKERS", "0", "DISPLAY_ITER", "2",
-            "TEST.NUM_WARMUP", "1", "HOOKS.CHECKPOINT.INTERVAL", "2", "DEVICE", "cpu", "SEED", "3",
-            "TEST.EVAL_PERIOD", "0"]
+    return [*tiny_set_opts(tiny_set, ckpt, max_iter=max_iter, test_batch=test_batch, display_iter=2,
+                           checkpoint_period=2),
+            "DEVICE", "cpu", "SEED", "3", "TEST.EVAL_PERIOD", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +66,9 @@ def test_two_process_test_matches_one_process(trained, tiny_set):
     reports, detections = [], []
     for nproc in (1, 2):
         out = os.path.join(os.path.dirname(ckpt), f"test{nproc}")
+        # One thread per process in both runs: the same arithmetic, whatever the number of processes.
         run_tool("test_net.py", "--cfg", DEMO_CFG, *_opts(tiny_set, out, test_batch=nproc), "TEST.WEIGHTS", weights,
-                 nproc=nproc)
+                 nproc=nproc, threads=1)
         with open(os.path.join(out, "test", "metrics.json")) as f:
             reports.append(json.load(f))
         with open(os.path.join(out, "test", "bbox.json")) as f:

@@ -3,44 +3,24 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import cv2
 import numpy as np
 import pytest
+from helpers import DEMO_CFG, run_tool, tiny_set_opts
 from pycocotools.coco import COCO
 
-from pet.data import generate_shapes
 from pet.engine.events import read_metrics
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEMO_CFG = os.path.join(ROOT, "cfgs", "shapes", "faster_rcnn_R-18-FPN.yaml")
-
-
-def run_tool(tool: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="2")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), *args], capture_output=True,
-                          text=True, env=env, timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{tool} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc
 
 
 @pytest.fixture(scope="module")
-def tiny_set(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("shapes"))
-    generate_shapes(root, num_train=24, num_val=8, seed=1)
-    return root
+def tiny_set(shapes_set):
+    return shapes_set(num_train=24, num_val=8)
 
 
 def _opts(tiny_set: str, ckpt: str) -> list[str]:
-    custom = (f"[{{'name': 'tiny_train', 'json': '{tiny_set}/annotations/train.json', 'images': '{tiny_set}/train'}}, "
-              f"{{'name': 'tiny_val', 'json': '{tiny_set}/annotations/val.json', 'images': '{tiny_set}/val'}}]")
-    return ["CKPT", ckpt, "DATA.CUSTOM", custom, "TRAIN.DATASETS", "('tiny_train',)",
-            "TEST.DATASETS", "('tiny_val',)", "SOLVER.MAX_ITER", "6", "SOLVER.IMS_PER_BATCH", "2",
-            "TEST.IMS_PER_BATCH", "2", "DATA.NUM_WORKERS", "0", "DISPLAY_ITER", "3", "TEST.NUM_WARMUP", "1",
-            "HOOKS.CHECKPOINT.INTERVAL", "4", "TRAIN.USE_TENSORBOARD", "True"]
+    """6 iterations, a checkpoint at 4, and TensorBoard on: its event files are among what a run must (not) write."""
+    return [*tiny_set_opts(tiny_set, ckpt), "TRAIN.USE_TENSORBOARD", "True"]
 
 
 def test_train_then_test_writes_every_promised_file(tiny_set, tmp_path):

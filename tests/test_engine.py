@@ -110,7 +110,7 @@ def test_after_train_runs_when_a_step_fails(make_cfg):
 
     class Boom(TrainHook):
         def after_step(self, trainer, **kwargs):
-            if trainer.iter == 2:
+            if trainer.iter == 3:
                 raise RuntimeError("boom")
 
     trainer.register_hooks([Boom(), Recorder("r", log)])
@@ -124,7 +124,7 @@ def test_stop_training_flag_ends_the_run(make_cfg):
 
     class StopAt(TrainHook):
         def after_step(self, trainer, **kwargs):
-            if trainer.iter + 1 == 7:
+            if trainer.iter == 7:
                 trainer.stop_training = True
 
     trainer.register_hook(StopAt())
@@ -159,7 +159,7 @@ def test_periodic_writer_closes_writers_and_writes_last_state_on_early_stop(make
 
     class StopAt(TrainHook):
         def after_step(self, trainer, **kwargs):
-            trainer.stop_training = trainer.iter + 1 == 25
+            trainer.stop_training = trainer.iter == 25
 
     trainer.register_hook(StopAt())
     trainer.train()

@@ -4,24 +4,21 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import uuid
 
 import pytest
 import torch
+from helpers import register_split
 
 from pet.config import load_cfg
-from pet.data import build_test_loader, generate_shapes, register_coco_dataset
+from pet.data import build_test_loader
 from pet.evaluation import BOX_METRICS, COCOEvaluator, evaluate_results_file
 from pet.utils import comm
 from pet.utils.errors import DataError
 
 
 @pytest.fixture(scope="module")
-def val_loader(tmp_path_factory):
-    root = generate_shapes(str(tmp_path_factory.mktemp("data") / "shapes"), num_train=2, num_val=6, seed=2)
-    name = f"shapes_val_{uuid.uuid4().hex[:8]}"
-    register_coco_dataset(name, os.path.join(root, "annotations", "val.json"), os.path.join(root, "val"))
+def val_loader(shapes_set):
+    name = register_split(shapes_set(num_train=2, num_val=6, seed=2), "val")
     cfg = load_cfg(None, ["DEVICE", "cpu", "MODEL.NUM_CLASSES", "3", "DATA.NUM_WORKERS", "0", "TEST.IMS_PER_BATCH",
                           "2", "INPUT.MIN_SIZE_TEST", "300", "INPUT.MAX_SIZE_TEST", "500"])
     return build_test_loader(cfg, name)

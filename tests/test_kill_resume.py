@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_end_to_end import DEMO_CFG, _opts, run_tool
+from helpers import DEMO_CFG, run_tool
+from helpers import tiny_set_opts as _opts
 
 from pet.data import generate_shapes
 from pet.engine.events import read_metrics
@@ -37,7 +38,7 @@ def small_shapes(tmp_path_factory) -> str:
 
 def _train_command(data: str, ckpt: str, *extra: str) -> list[str]:
     return ["train_net.py", "--cfg", DEMO_CFG, *_opts(data, ckpt), "SOLVER.MAX_ITER", str(MAX_ITER),
-            "SOLVER.WARMUP_ITERS", "3", "SOLVER.AMP.ENABLED", "False", "HOOKS.CHECKPOINT.INTERVAL", str(INTERVAL),
+            "SOLVER.WARMUP_ITERS", "3", "SOLVER.AMP.ENABLED", "False", "HOOKS.CHECKPOINT.PERIOD", str(INTERVAL),
             "HOOKS.CHECKPOINT.MAX_KEEP", "1", "DISPLAY_ITER", "1", "TRAIN.USE_TENSORBOARD", "False",
             "MODEL.FLOPS_INPUT_SIZE", "()", "TEST.EVAL_PERIOD", "0",
             # One thread: on a busy 2-core machine two OpenMP threads made each step 4-8x slower.

@@ -4,23 +4,22 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 
 import numpy as np
 import pytest
 import torch
+from helpers import CFGS, assert_part_trains, detector_batch, register_split
 from parity import check_inference_parity, check_training_parity
 
 from pet.config import load_cfg
-from pet.data import generate_shapes, get_dataset, register_coco_dataset
+from pet.data import get_dataset
 from pet.evaluation import COCOEvaluator, evaluate_results_file
 from pet.modeling import build_model
 from pet.modeling.postprocess import paste_masks
 from pet.utils.errors import ConfigError, DataError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COCO_CFG = os.path.join(ROOT, "cfgs", "coco", "mask_rcnn_R-50-FPN_1x.yaml")
-DEMO_CFG = os.path.join(ROOT, "cfgs", "shapes", "mask_rcnn_R-18-FPN.yaml")
+COCO_CFG = os.path.join(CFGS, "coco", "mask_rcnn_R-50-FPN_1x.yaml")
+DEMO_CFG = os.path.join(CFGS, "shapes", "mask_rcnn_R-18-FPN.yaml")
 LOSSES = {"loss_objectness", "loss_rpn_box_reg", "loss_classifier", "loss_box_reg", "loss_mask"}
 
 
@@ -44,22 +43,6 @@ def test_coco_config_has_torchvisions_parameter_count():
     assert {"roi_heads.mask_roi_pool", "roi_heads.mask_head", "roi_heads.mask_predictor"} <= names
 
 
-def _batch():
-    """Two padded uint8 images (image 0 resized 2x down from 192x256) with boxes, labels and their masks."""
-    gen = torch.Generator().manual_seed(0)
-    images = torch.zeros(2, 3, 128, 128, dtype=torch.uint8)
-    targets = []
-    for i, ((h, w), orig) in enumerate([((96, 128), (192, 256)), ((80, 100), (80, 100))]):
-        images[i, :, :h, :w] = torch.randint(0, 255, (3, h, w), generator=gen, dtype=torch.uint8)
-        boxes = torch.tensor([[10.0, 12.0, 50.0, 60.0], [30.0, 5.0, 70.0, 40.0]])
-        masks = torch.zeros(len(boxes), h, w, dtype=torch.uint8)
-        for mask, (x0, y0, x1, y1) in zip(masks, boxes.int().tolist()):
-            mask[y0:y1, x0:x1] = 1
-        targets.append({"image_id": i + 1, "image_size": (h, w), "orig_size": orig, "boxes": boxes,
-                        "labels": torch.tensor([1, 3]), "masks": masks})
-    return images, targets
-
-
 @pytest.fixture(scope="module")
 def demo_model():
     torch.manual_seed(0)
@@ -69,7 +52,7 @@ def demo_model():
 def test_training_losses_include_a_finite_loss_mask_that_trains_the_mask_head(demo_model):
     demo_model.train()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        losses = demo_model(*_batch())
+        losses = demo_model(*detector_batch(masks=True))
     assert set(losses) == LOSSES
     assert all(v.dim() == 0 and torch.isfinite(v) and v.dtype == torch.float32 for v in losses.values())
     demo_model.zero_grad()
@@ -80,7 +63,7 @@ def test_training_losses_include_a_finite_loss_mask_that_trains_the_mask_head(de
 
 def test_eval_masks_are_binary_uint8_in_the_original_image(demo_model):
     demo_model.eval()
-    images, targets = _batch()
+    images, targets = detector_batch(masks=True)
     with torch.no_grad():
         outputs = demo_model(images, targets)
     for out, target in zip(outputs, targets):
@@ -93,11 +76,7 @@ def test_custom_mask_head_from_a_dotted_path_trains():
     model = build_model(load_cfg(DEMO_CFG, ["MODEL.ROI_MASK_HEAD.NAME", f"{__name__}.OneConvMaskHead"]))
     assert isinstance(model.roi_heads.mask_head, OneConvMaskHead)
     assert model.roi_heads.mask_predictor.conv5_mask.in_channels == OneConvMaskHead.out_channels
-    model.train()
-    losses = model(*_batch())
-    assert set(losses) == LOSSES
-    sum(losses.values()).backward()
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.roi_heads.mask_head.parameters())
+    assert_part_trains(model, model.roi_heads.mask_head, LOSSES, detector_batch(masks=True))
 
 
 class OneConvMaskHead(torch.nn.Sequential):
@@ -115,11 +94,9 @@ def test_mask_rcnn_needs_mask_on():
 
 
 @pytest.fixture(scope="module")
-def val_dataset(tmp_path_factory):
-    root = generate_shapes(str(tmp_path_factory.mktemp("data") / "shapes"), num_train=2, num_val=6, seed=2)
-    name = f"shapes_val_{uuid.uuid4().hex[:8]}"
-    register_coco_dataset(name, os.path.join(root, "annotations", "val.json"), os.path.join(root, "val"))
-    return get_dataset(name)
+def val_dataset(shapes_set):
+    """6 validation images: the set test_evaluation scores (generated once per session)."""
+    return get_dataset(register_split(shapes_set(num_train=2, num_val=6, seed=2), "val"))
 
 
 def _ground_truth_outputs(dataset, shift: int = 0):

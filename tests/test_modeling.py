@@ -9,6 +9,7 @@ from collections import OrderedDict
 import pytest
 import torch
 import torchvision
+from helpers import CFGS, DEMO_CFG, assert_part_trains, detector_batch
 from parity import check_inference_parity, check_training_parity
 from torchvision.models._utils import IntermediateLayerGetter
 from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
@@ -20,22 +21,7 @@ from pet.modeling.backbone import build_resnet, freeze_stages
 from pet.utils.errors import ConfigError
 from pet.utils.weights import load_weights
 
-DEMO_CFG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cfgs", "shapes",
-                        "faster_rcnn_R-18-FPN.yaml")
 LOSSES = {"loss_objectness", "loss_rpn_box_reg", "loss_classifier", "loss_box_reg"}
-
-
-def _batch(sizes=((96, 128), (80, 100)), orig=((192, 256), (80, 100))):
-    """Two padded uint8 images; image 0 stands for a 192x256 original resized to 96x128."""
-    gen = torch.Generator().manual_seed(0)
-    images = torch.zeros(len(sizes), 3, 128, 128, dtype=torch.uint8)
-    targets = []
-    for i, ((h, w), (oh, ow)) in enumerate(zip(sizes, orig)):
-        images[i, :, :h, :w] = torch.randint(0, 255, (3, h, w), generator=gen, dtype=torch.uint8)
-        targets.append({"image_id": i + 1, "image_size": (h, w), "orig_size": (oh, ow),
-                        "boxes": torch.tensor([[10.0, 12.0, 50.0, 60.0], [30.0, 5.0, 70.0, 40.0]]),
-                        "labels": torch.tensor([1, 3])})
-    return images, targets
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +32,7 @@ def demo_model():
 
 def test_training_forward_returns_finite_losses_and_backpropagates(demo_model):
     demo_model.train()
-    losses = demo_model(*_batch())
+    losses = demo_model(*detector_batch())
     assert set(losses) == LOSSES
     assert all(v.dim() == 0 and torch.isfinite(v) for v in losses.values())
     demo_model.zero_grad()
@@ -59,21 +45,21 @@ def test_training_forward_returns_finite_losses_and_backpropagates(demo_model):
 def test_bfloat16_autocast_gives_float32_losses_and_boxes(demo_model):
     demo_model.train()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        losses = demo_model(*_batch())
+        losses = demo_model(*detector_batch())
     assert set(losses) == LOSSES and all(torch.isfinite(v) for v in losses.values())
     assert all(v.dtype == torch.float32 for v in losses.values())
 
 
 def test_channels_last_reaches_every_backbone_feature(demo_model):
     demo_model.eval()
-    images, targets = _batch()
+    images, targets = detector_batch()
     with torch.no_grad():
         features = demo_model.backbone(demo_model.normalizer(images, [t["image_size"] for t in targets]))
     assert all(f.is_contiguous(memory_format=torch.channels_last) for f in features.values() if f.shape[-1] > 1)
 
 
 def test_normalizer_uses_pixel_mean_std_and_zeroes_the_padding(demo_model):
-    images, targets = _batch()
+    images, targets = detector_batch()
     x = demo_model.normalizer(images, [t["image_size"] for t in targets])
     mean, std = torch.tensor([123.675, 116.28, 103.53]), torch.tensor([58.395, 57.12, 57.375])
     torch.testing.assert_close(x[0, :, :96, :128], (images[0, :, :96, :128].float() - mean[:, None, None])
@@ -86,7 +72,7 @@ def test_eval_boxes_are_in_original_image_coordinates(demo_model):
     model = build_model(cfg)
     model.load_state_dict(demo_model.state_dict())
     model.eval()
-    images, targets = _batch()
+    images, targets = detector_batch()
     with torch.no_grad():
         outputs = model(images, targets)
     assert len(outputs) == 2
@@ -101,8 +87,7 @@ def test_eval_boxes_are_in_original_image_coordinates(demo_model):
 
 
 def _coco_cfg(*opts: str):
-    path = os.path.join(os.path.dirname(os.path.dirname(DEMO_CFG)), "coco", "faster_rcnn_R-50-FPN_1x.yaml")
-    return load_cfg(path, ["MODEL.NUM_CLASSES", "90", *opts])
+    return load_cfg(os.path.join(CFGS, "coco", "faster_rcnn_R-50-FPN_1x.yaml"), ["MODEL.NUM_CLASSES", "90", *opts])
 
 
 def test_torchvision_detection_state_dict_loads_without_leftovers(tmp_path, caplog):
@@ -246,7 +231,7 @@ def test_custom_box_head_from_a_dotted_path():
     model = build_model(cfg)
     assert isinstance(model.roi_heads.box_head, TinyBoxHead)
     model.train()
-    assert set(model(*_batch())) == LOSSES
+    assert set(model(*detector_batch())) == LOSSES
 
 
 class TinyBoxHead(torch.nn.Sequential):
@@ -260,11 +245,7 @@ class TinyBoxHead(torch.nn.Sequential):
 def test_custom_rpn_head_from_a_dotted_path_trains():
     model = build_model(load_cfg(DEMO_CFG, ["MODEL.RPN.HEAD_NAME", f"{__name__}.SharedConvRPNHead"]))
     assert isinstance(model.rpn.head, SharedConvRPNHead)
-    model.train()
-    losses = model(*_batch())
-    assert set(losses) == LOSSES
-    sum(losses.values()).backward()
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.rpn.head.parameters())
+    assert_part_trains(model, model.rpn.head, LOSSES, detector_batch())
 
 
 class SharedConvRPNHead(torch.nn.Module):
@@ -286,11 +267,7 @@ def test_a_new_neck_is_a_backbone_entry_from_a_dotted_path(tmp_path):
     cfg = load_cfg(DEMO_CFG, ["MODEL.BACKBONE.TYPE", f"{__name__}.resnet_lateral_neck", *ALL_FOUR_STAGES])
     model = build_model(cfg)
     assert isinstance(model.backbone, ResNetWithLateralNeck)
-    model.train()
-    losses = model(*_batch())
-    assert set(losses) == LOSSES
-    sum(losses.values()).backward()
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.backbone.neck.parameters())
+    assert_part_trains(model, model.backbone.neck, LOSSES, detector_batch())
     path = tmp_path / "resnet18.pth"
     torch.save(torchvision.models.resnet18(weights=None).state_dict(), path)
     report = load_weights(model, str(path))

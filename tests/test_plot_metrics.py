@@ -5,10 +5,9 @@ import json
 import math
 import os
 import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOL = os.path.join(ROOT, "tools", "plot_metrics.py")
+from helpers import run_tool
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -27,8 +26,7 @@ def _write_metrics(path, scale: float) -> str:
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, MPLBACKEND="Agg"))
+    return run_tool("plot_metrics.py", *args, check=False, env={"MPLBACKEND": "Agg"})
 
 
 def test_two_runs_overlaid_in_a_valid_png(tmp_path):

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import IndexedToyLoader, ToyModel
+from helpers import custom_datasets
 
-from pet.data import generate_shapes
 from pet.engine.hooks import PreciseBN, Priority, TrainHook
 from pet.engine.trainer import Trainer
 from pet.utils.errors import ConfigError
@@ -32,12 +32,14 @@ class IdRecorder(torch.nn.Module):
 
 
 @pytest.fixture(scope="module")
-def tiny_set(tmp_path_factory):
-    return generate_shapes(str(tmp_path_factory.mktemp("shapes")), num_train=8, num_val=1, seed=1)
+def tiny_set(shapes_set):
+    """8 training images: with batch 2, 6 iterations go past one pass. Only the training split is used; the
+    arguments are test_distributed's, so the session generates the set once for both."""
+    return shapes_set(num_train=8, num_val=6)
 
 
 def _shapes_cfg(make_cfg, tiny_set, name, *opts):
-    custom = f"[{{'name': 'pbn_train', 'json': '{tiny_set}/annotations/train.json', 'images': '{tiny_set}/train'}}]"
+    custom = custom_datasets(("pbn_train", f"{tiny_set}/annotations/train.json", f"{tiny_set}/train"))
     return make_cfg("CKPT", str(tiny_set) + f"-{name}", "DATA.CUSTOM", custom, "TRAIN.DATASETS", "('pbn_train',)",
                     "MODEL.NUM_CLASSES", 3, "DATA.NUM_WORKERS", 1, "SOLVER.IMS_PER_BATCH", 2, "SOLVER.MAX_ITER", 6,
                     "INPUT.MIN_SIZE_TRAIN", "(96,)", "INPUT.MAX_SIZE_TRAIN", 160, "TRAIN.SAVE_AS_JSON", False, *opts)
@@ -78,7 +80,7 @@ class CrashAfter(TrainHook):
 
 def _resume_run(make_cfg, ckpt, *hooks, resume=False):
     """4 iterations, checkpoint every 2, PreciseBN over 2 batches of its own loader after every iteration."""
-    cfg = make_cfg("CKPT", ckpt, "SOLVER.MAX_ITER", 4, "HOOKS.CHECKPOINT.INTERVAL", 2, "TRAIN.SAVE_AS_JSON", False)
+    cfg = make_cfg("CKPT", ckpt, "SOLVER.MAX_ITER", 4, "HOOKS.CHECKPOINT.PERIOD", 2, "TRAIN.SAVE_AS_JSON", False)
     loader = IndexedToyLoader(num_batches=100, batch_size=16, seed=100)
     torch.manual_seed(0)
     trainer = Trainer(cfg, model=ToyModel(with_bn=True), data_loader=IndexedToyLoader())

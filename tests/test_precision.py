@@ -117,7 +117,7 @@ class AutocastRecorder(ToyModel):
 @pytest.mark.parametrize("enabled, expected", [(True, torch.bfloat16), (False, None)])
 def test_the_train_step_and_the_test_loop_run_under_the_chosen_precision(tmp_path, enabled, expected):
     opts = ["CKPT", str(tmp_path), "DEVICE", "cpu", "SOLVER.MAX_ITER", "2", "SOLVER.AMP.ENABLED", str(enabled),
-            "TEST.AMP.ENABLED", str(enabled), "HOOKS.CHECKPOINT.INTERVAL", "0"]
+            "TEST.AMP.ENABLED", str(enabled), "HOOKS.CHECKPOINT.PERIOD", "0"]
     cfg = load_cfg(None, opts)
     model = AutocastRecorder()
     trainer = Trainer(cfg, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),

@@ -10,16 +10,41 @@ import sys
 import pytest
 import torch
 from conftest import InfiniteToyLoader, ToyModel
+from helpers import DEMO_CFG, ROOT
 
 from pet.config import load_cfg
 from pet.engine.trainer import Trainer
 
-README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+README = os.path.join(ROOT, "README.md")
 
 
 def _blocks(language: str) -> list[str]:
     with open(README, encoding="utf-8") as f:
         return re.findall(rf"```{language}\n(.*?)```", f.read(), flags=re.S)
+
+
+def _block(language: str, marker: str) -> str:
+    """The README's first ``language`` block that contains ``marker``."""
+    return next(b for b in _blocks(language) if marker in b)
+
+
+@pytest.fixture
+def my_project(tmp_path, monkeypatch):
+    """The user's package of the README's examples: ``my_project`` under tmp_path, importable and new to this test.
+
+    ``my_project(module, marker)`` writes the README's Python block containing ``marker`` as ``my_project/<module>.py``.
+    """
+    for name in [m for m in sys.modules if m == "my_project" or m.startswith("my_project.")]:
+        monkeypatch.delitem(sys.modules, name)  # another test's my_project (and its submodules) must not leak in
+    package = tmp_path / "my_project"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def add_module(module: str, marker: str) -> None:
+        (package / f"{module}.py").write_text(_block("python", marker))
+
+    return add_module
 
 
 def test_quick_start_has_exactly_two_commands_and_ci_runs_the_second():
@@ -30,17 +55,10 @@ def test_quick_start_has_exactly_two_commands_and_ci_runs_the_second():
     assert commands[1].strip() in ci
 
 
-def test_custom_hook_and_writer_examples_work_from_yaml(tmp_path, monkeypatch):
-    monkeypatch.delitem(sys.modules, "my_project", raising=False)
-    package = tmp_path / "my_project"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    python_blocks = _blocks("python")
-    (package / "hooks.py").write_text(next(b for b in python_blocks if "class GradNorm" in b))
-    (package / "writers.py").write_text(next(b for b in python_blocks if "class CSVWriter" in b))
-    yaml_block = next(b for b in _blocks("yaml") if "my_project.hooks.GradNorm" in b)
-    (tmp_path / "run.yaml").write_text(yaml_block + "SOLVER:\n  MAX_ITER: 10\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+def test_custom_hook_and_writer_examples_work_from_yaml(tmp_path, my_project):
+    my_project("hooks", "class GradNorm")
+    my_project("writers", "class CSVWriter")
+    (tmp_path / "run.yaml").write_text(_block("yaml", "my_project.hooks.GradNorm") + "SOLVER:\n  MAX_ITER: 10\n")
 
     cfg = load_cfg(str(tmp_path / "run.yaml"), ["CKPT", str(tmp_path / "out"), "DEVICE", "cpu", "DISPLAY_ITER", "4",
                                                 "TRAIN.AUTO_RESUME", "False"])
@@ -59,23 +77,16 @@ def test_custom_hook_and_writer_examples_work_from_yaml(tmp_path, monkeypatch):
     assert torch.isfinite(torch.tensor(float(rows[0]["total_loss"])))
 
 
-def test_add_your_own_model_example_builds_and_trains(tmp_path, monkeypatch):
+def test_add_your_own_model_example_builds_and_trains(tmp_path, my_project):
     from pet.modeling import build_model
 
-    monkeypatch.delitem(sys.modules, "my_project", raising=False)
-    package = tmp_path / "my_project"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "heads.py").write_text(next(b for b in _blocks("python") if "class ConvFCHead" in b))
-    yaml_block = next(b for b in _blocks("yaml") if "my_project.heads.ConvFCHead" in b)
+    my_project("heads", "class ConvFCHead")
     cfg_dir = tmp_path / "cfgs" / "mine"
     cfg_dir.mkdir(parents=True)
     shapes_dir = tmp_path / "cfgs" / "shapes"
     shapes_dir.mkdir()
-    demo = os.path.join(os.path.dirname(README), "cfgs", "shapes", "faster_rcnn_R-18-FPN.yaml")
-    (shapes_dir / "faster_rcnn_R-18-FPN.yaml").write_text(open(demo).read())
-    (cfg_dir / "conv_head.yaml").write_text(yaml_block)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    (shapes_dir / "faster_rcnn_R-18-FPN.yaml").write_text(open(DEMO_CFG).read())
+    (cfg_dir / "conv_head.yaml").write_text(_block("yaml", "my_project.heads.ConvFCHead"))
 
     model = build_model(load_cfg(str(cfg_dir / "conv_head.yaml")))
     assert type(model.roi_heads.box_head).__name__ == "ConvFCHead"
@@ -87,16 +98,12 @@ def test_add_your_own_model_example_builds_and_trains(tmp_path, monkeypatch):
     assert model.roi_heads.box_head.conv.weight.grad is not None
 
 
-def test_dump_detections_test_hook_example_writes_one_line_per_image(tmp_path, monkeypatch):
-    from pet.engine.inference import build_test_hooks, inference_on_dataset
+def test_dump_detections_test_hook_example_writes_one_line_per_image(tmp_path, my_project):
+    from pet.engine.build import build_test_hooks
+    from pet.engine.inference import inference_on_dataset
 
-    monkeypatch.delitem(sys.modules, "my_project", raising=False)
-    package = tmp_path / "my_project"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "test_hooks.py").write_text(next(b for b in _blocks("python") if "class DumpDetections" in b))
-    (tmp_path / "run.yaml").write_text(next(b for b in _blocks("yaml") if "my_project.test_hooks.DumpDetections" in b))
-    monkeypatch.syspath_prepend(str(tmp_path))
+    my_project("test_hooks", "class DumpDetections")
+    (tmp_path / "run.yaml").write_text(_block("yaml", "my_project.test_hooks.DumpDetections"))
     cfg = load_cfg(str(tmp_path / "run.yaml"), ["CKPT", str(tmp_path / "out"), "DEVICE", "cpu"])
 
     class TwoBoxes(torch.nn.Module):

@@ -2,21 +2,17 @@
 from __future__ import annotations
 
 import itertools
-import uuid
 
 import pytest
+from helpers import register_split
 
 from pet.config import load_cfg
-from pet.data import build_train_loader, register_coco_dataset
-from pet.data.shapes import generate_shapes
+from pet.data import build_train_loader
 
 
 @pytest.fixture(scope="module")
-def shapes_train(tmp_path_factory):
-    root = generate_shapes(str(tmp_path_factory.mktemp("data") / "shapes"), num_train=48, num_val=2, seed=3)
-    name = f"shapes_train_{uuid.uuid4().hex[:8]}"
-    register_coco_dataset(name, f"{root}/annotations/train.json", f"{root}/train")
-    return name
+def shapes_train(shapes_set):
+    return register_split(shapes_set(num_train=48, num_val=2, seed=3), "train")
 
 
 def _batches(dataset_name: str, *opts, count: int = 12):

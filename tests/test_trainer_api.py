@@ -6,10 +6,11 @@ PreciseBN on the caller's data), and an empty loader is one clear error.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import ToyModel
 
-from pet.engine.hooks import TrainHook
+from pet.engine.hooks import MOUNT_POINTS, EvalHook, TrainHook
 from pet.engine.trainer import Trainer
 from pet.utils.errors import TrainingError
 
@@ -85,14 +86,14 @@ class StopAt(TrainHook):
         self.iteration = iteration
 
     def after_step(self, trainer, **kwargs) -> None:
-        if trainer.iter + 1 == self.iteration:
+        if trainer.iter == self.iteration:
             trainer.stop_training = True
 
 
 def test_auto_resume_from_python_continues_a_stopped_run_bit_identically(make_cfg, caplog):
     """Stopped by a hook at 6 of 12, a new Trainer built the same way with TRAIN.AUTO_RESUME True starts at 6."""
     batches = _batches(4)
-    opts = ("SOLVER.MAX_ITER", 12, "TRAIN.AUTO_RESUME", True, "HOOKS.CHECKPOINT.INTERVAL", 3)
+    opts = ("SOLVER.MAX_ITER", 12, "TRAIN.AUTO_RESUME", True, "HOOKS.CHECKPOINT.PERIOD", 3)
 
     torch.manual_seed(0)
     first = _trainer(make_cfg(*opts), RecordingModel(), batches)
@@ -103,7 +104,7 @@ def test_auto_resume_from_python_continues_a_stopped_run_bit_identically(make_cf
     torch.manual_seed(0)
     resumed_model = RecordingModel()
     resumed = _trainer(make_cfg(*opts), resumed_model, batches)
-    with caplog.at_level("INFO", logger="pet.engine.trainer"):
+    with caplog.at_level("INFO", logger="pet.engine"):
         resumed.train()
     assert "at iteration 6" in caplog.text and "Starting training from iteration 6 to 12" in caplog.text
     assert resumed_model.seen == [float(batches[i % 4][0][0, 0]) for i in range(6, 12)]
@@ -126,3 +127,43 @@ def test_precise_bn_estimates_on_the_callers_loader(make_cfg):
     _trainer(cfg, model, batches).train()
     expected = torch.cat([x for x, _ in batches]).mean(dim=0)
     assert torch.allclose(model.bn.running_mean, expected, atol=1e-5)
+
+
+class CounterProbe(TrainHook):
+    """Records ``(point, trainer.iter, storage.iter)`` at every mount point."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int, int]] = []
+
+    def _record(self, point: str, trainer, storage) -> None:
+        self.seen.append((point, trainer.iter, storage.iter))
+
+
+for _point in MOUNT_POINTS:
+    setattr(CounterProbe, _point, lambda self, trainer, storage, _p=_point, **kw: self._record(_p, trainer, storage))
+
+
+@pytest.mark.parametrize("mode", [("SOLVER.MAX_ITER", 6), ("SOLVER.MAX_EPOCHS", 3, "SOLVER.MAX_ITER", 0)],
+                         ids=["iterations", "epochs"])
+def test_one_counter_storage_iter_equals_trainer_iter_at_every_mount_point(make_cfg, mode):
+    """Also across a resume: after_load_checkpoint and the resumed run's points see the same numbers."""
+    opts = (*mode, "HOOKS.CHECKPOINT.PERIOD", 2, "TRAIN.AUTO_RESUME", True)
+    first_probe = CounterProbe()
+    first = _trainer(make_cfg(*opts), RecordingModel(), _batches(2))
+    first.register_hooks([first_probe, EvalHook(2, lambda trainer: {"val/acc": trainer.iter / 10}), StopAt(4)])
+    first.train()
+    probe = CounterProbe()
+    resumed = _trainer(make_cfg(*opts), RecordingModel(), _batches(2))
+    resumed.register_hooks([probe])
+    resumed.train()
+
+    for point, trainer_iter, storage_iter in first_probe.seen + probe.seen:
+        assert trainer_iter == storage_iter, point
+    points = {point for point, _, _ in first_probe.seen + probe.seen}
+    assert points == set(MOUNT_POINTS)
+    steps = [i for p, i, _ in first_probe.seen if p == "before_step"]
+    assert steps == [1, 2, 3, 4] == [i for p, i, _ in first_probe.seen if p == "after_step"]
+    assert ("before_train", 0, 0) in first_probe.seen and ("after_train", 4, 4) in first_probe.seen
+    assert [i for p, i, _ in probe.seen if p in ("after_load_checkpoint", "before_train")] == [4, 4]
+    assert [i for p, i, _ in probe.seen if p == "after_step"] == [5, 6]
+    assert probe.seen[-1] == ("after_train", 6, 6)

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from helpers import CFGS, assert_part_trains, detector_batch
 from parity import check_inference_parity, check_training_parity
 from torchvision.models.detection import fcos as tv_fcos
 from torchvision.models.detection import retinanet as tv_retinanet
@@ -16,8 +17,6 @@ from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 from pet.config import load_cfg
 from pet.modeling import build_model
 from pet.utils.errors import ConfigError
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Zoo(NamedTuple):
@@ -35,11 +34,11 @@ TV_MODULES = {"backbone.body", "backbone.fpn", "anchor_generator", "head.classif
 
 
 def _coco_cfg(name: str, *opts: str):
-    return load_cfg(os.path.join(ROOT, "cfgs", "coco", f"{name}_R-50-FPN_1x.yaml"), ["MODEL.NUM_CLASSES", "90", *opts])
+    return load_cfg(os.path.join(CFGS, "coco", f"{name}_R-50-FPN_1x.yaml"), ["MODEL.NUM_CLASSES", "90", *opts])
 
 
 def _demo_cfg(name: str, *opts: str):
-    return load_cfg(os.path.join(ROOT, "cfgs", "shapes", f"{name}_R-18-FPN.yaml"), list(opts))
+    return load_cfg(os.path.join(CFGS, "shapes", f"{name}_R-18-FPN.yaml"), list(opts))
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -74,17 +73,8 @@ def test_fcos_points_are_sized_by_their_levels_stride():
     assert model.anchor_generator.sizes == ((8,), (16,), (32,), (64,), (128,))
 
 
-def _batch():
-    """Two padded uint8 images (image 0 resized 2x down from 192x256) with boxes and labels."""
-    gen = torch.Generator().manual_seed(0)
-    images = torch.zeros(2, 3, 128, 128, dtype=torch.uint8)
-    targets = []
-    for i, ((h, w), orig) in enumerate([((96, 128), (192, 256)), ((80, 100), (80, 100))]):
-        images[i, :, :h, :w] = torch.randint(0, 255, (3, h, w), generator=gen, dtype=torch.uint8)
-        targets.append({"image_id": i + 1, "image_size": (h, w), "orig_size": orig,
-                        "boxes": torch.tensor([[10.0, 12.0, 50.0, 60.0], [30.0, 5.0, 44.0, 19.0]]),
-                        "labels": torch.tensor([1, 3])})
-    return images, targets
+# The XYXY boxes of both images: a 40x48 and a 14x14 one.
+BOXES = ((10.0, 12.0, 50.0, 60.0), (30.0, 5.0, 44.0, 19.0))
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -93,7 +83,7 @@ def test_training_losses_are_finite_float32_under_autocast_and_train_every_param
     model = build_model(_demo_cfg(name))
     model.train()
     with torch.autocast("cpu", dtype=torch.bfloat16):  # as the demo trains
-        losses = model(*_batch())
+        losses = model(*detector_batch(BOXES))
     assert set(losses) == MODELS[name].losses
     assert all(v.dim() == 0 and torch.isfinite(v) and v.dtype == torch.float32 for v in losses.values())
     sum(losses.values()).backward()
@@ -113,7 +103,7 @@ def test_eval_detections_are_in_the_original_image_and_never_label_0(name):
     with torch.no_grad():
         head.cls_logits.bias.view(-1, head.num_classes)[:, 0] = 10.0
     model.eval()
-    images, targets = _batch()
+    images, targets = detector_batch(BOXES)
     with torch.no_grad():
         outputs = model(images, targets)
     for out, target in zip(outputs, targets):
@@ -132,7 +122,7 @@ def test_anchors_and_boxes_stay_float32_under_bfloat16_autocast(name):
     dtypes = []
     model.anchor_generator.register_forward_hook(lambda module, args, anchors: dtypes.extend(a.dtype for a in anchors))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        outputs = model(*_batch())
+        outputs = model(*detector_batch(BOXES))
     assert dtypes == [torch.float32] * 2
     assert all(out["boxes"].dtype == out["scores"].dtype == torch.float32 for out in outputs)
 
@@ -161,11 +151,7 @@ def test_custom_dense_head_from_a_dotted_path_trains(name):
     head = CUSTOM_HEADS[name]
     model = build_model(_demo_cfg(name, f"{MODELS[name].cfg_node}.HEAD_NAME", f"{__name__}.{head.__name__}"))
     assert type(model.head) is head
-    model.train()
-    losses = model(*_batch())
-    assert set(losses) == MODELS[name].losses
-    sum(losses.values()).backward()
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.head.parameters())
+    assert_part_trains(model, model.head, MODELS[name].losses, detector_batch(BOXES))
 
 
 # BASE_LR for batch 16 in each COCO config: torchvision's reference recipes (0.02 two-stage, 0.01 one-stage).

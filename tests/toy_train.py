@@ -14,26 +14,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from conftest import InfiniteToyLoader, ToyModel  # noqa: E402
+from conftest import InfiniteToyLoader, NanLossModel  # noqa: E402
 
 from pet.config import load_cfg  # noqa: E402
 from pet.engine.defaults import launch_cli, seed_everything  # noqa: E402
 from pet.engine.trainer import Trainer  # noqa: E402
 from pet.utils.logger import setup_logger  # noqa: E402
-
-
-class ScriptedModel(ToyModel):
-    def __init__(self, nan_at: int) -> None:
-        super().__init__()
-        self.nan_at = nan_at
-        self.calls = 0
-
-    def forward(self, x, y):
-        self.calls += 1
-        losses = super().forward(x, y)
-        if self.calls == self.nan_at:
-            losses["loss_l1"] = losses["loss_l1"] * float("nan")
-        return losses
 
 
 def main() -> None:
@@ -50,10 +36,10 @@ def main() -> None:
     torch.set_num_threads(1)
     cfg = load_cfg(None, ["CKPT", args.ckpt, "DEVICE", "cpu", "SOLVER.MAX_ITER", args.max_iter, "SOLVER.BASE_LR",
                           "0.01", "SOLVER.WARMUP_ITERS", "3", "DISPLAY_ITER", "1",
-                          "HOOKS.CHECKPOINT.INTERVAL", args.interval, *opts])
+                          "HOOKS.CHECKPOINT.PERIOD", args.interval, *opts])
     setup_logger(cfg.CKPT)
     seed_everything(cfg.SEED)
-    trainer = Trainer(cfg, model=ScriptedModel(args.nan_at), data_loader=InfiniteToyLoader())
+    trainer = Trainer(cfg, model=NanLossModel(args.nan_at), data_loader=InfiniteToyLoader())
     trainer.resume_or_load(resume=True)
     trainer.train()
 

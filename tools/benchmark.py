@@ -6,11 +6,14 @@
                                      [--threads N] [--iters 1] [--repeats 3] [--out FILE]
     python tools/benchmark.py infer  [the same options as train]
     python tools/benchmark.py data   [--workers 0 1] [--batches 40] [--repeats 5] [--out FILE]
+    python tools/benchmark.py coco-eval [--images 5000] [--classes 80] [--tasks bbox segm] [--repeats 3] [--out FILE]
 
 engine: Pet's Trainer overhead per iteration over a plain loop and MMEngine's Runner
 (tools/benchmarks/engine.py). train / infer: Pet's detectors against torchvision's on the same
 weights, inputs, precision and memory format (tools/benchmarks/detectors.py). data: Pet's
-training loader against PIL + torchvision.transforms.v2 (tools/benchmarks/data.py).
+training loader against PIL + torchvision.transforms.v2 (tools/benchmarks/data.py). coco-eval: one
+COCO evaluation with pycocotools against faster-coco-eval on a synthetic COCO-sized set
+(tools/benchmarks/coco_eval.py).
 Every table starts with the machine's fingerprint, which the JSON keeps with the command.
 """
 from __future__ import annotations
@@ -24,7 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from benchmarks import data, detectors, engine  # noqa: E402
+from benchmarks import coco_eval, data, detectors, engine  # noqa: E402
 from benchmarks.common import fingerprint  # noqa: E402
 
 
@@ -43,12 +46,13 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=40, help="batches per timed run")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="benchmarks/data.json")
+    coco_eval.add_arguments(sub.add_parser("coco-eval", help="COCO evaluation: pycocotools against faster-coco-eval"))
     args = parser.parse_args()
     if args.command in ("train", "infer"):
         torch.set_num_threads(args.threads)
         run = detectors.detectors
     else:
-        run = {"engine": engine.engine, "data": data.data}[args.command]
+        run = {"engine": engine.engine, "data": data.data, "coco-eval": coco_eval.coco_eval}[args.command]
     machine = fingerprint()
     result = {"command": " ".join(sys.argv), "machine": machine, "date": time.strftime("%Y-%m-%d"),
               **run(args, machine)}

@@ -9,18 +9,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pet.data import register_custom_datasets  # noqa: E402
-from pet.engine.defaults import default_argument_parser, default_setup, launch_cli  # noqa: E402
-from pet.engine.inference import build_test_hooks, evaluate_on_datasets  # noqa: E402
-from pet.engine.trainer import resolve_device  # noqa: E402
+from pet.engine.build import build_test_hooks  # noqa: E402
+from pet.engine.common import flatten_metrics  # noqa: E402
+from pet.engine.defaults import build_test_model, default_argument_parser, default_setup, launch_cli  # noqa: E402
+from pet.engine.inference import evaluate_on_datasets  # noqa: E402
 from pet.evaluation import DetectionVisualizer, evaluate_results_file  # noqa: E402
 from pet.evaluation.coco import write_json_atomic  # noqa: E402
 from pet.utils import comm  # noqa: E402
-from pet.utils.compile import compile_submodules  # noqa: E402
 from pet.utils.errors import ConfigError  # noqa: E402
-from pet.utils.model_summary import log_model_summary  # noqa: E402
-from pet.utils.registry import META_ARCH_REGISTRY  # noqa: E402
-from pet.utils.weights import load_weights  # noqa: E402
 
 
 def combine_speed(per_rank: list[dict]) -> dict:
@@ -42,7 +38,7 @@ def rescore(cfg, results_file: str, output_dir: str) -> None:
                           f"\"('{cfg.TEST.DATASETS[0] if cfg.TEST.DATASETS else 'shapes_val'}',)\".")
     if comm.is_main_process():
         results = evaluate_results_file(cfg.TEST.DATASETS[0], results_file)
-        metrics = {f"{task}/{name}": value for task, values in results.items() for name, value in values.items()}
+        metrics = flatten_metrics(results)
         write_json_atomic(os.path.join(output_dir, "metrics_rescored.json"),
                           {"results_file": os.path.abspath(results_file), "metrics": metrics})
 
@@ -55,17 +51,11 @@ def main() -> None:
                         help="draw detections over ground truth on the first N test images into CKPT/test/vis/")
     args = parser.parse_args()
     cfg = default_setup(args.cfg_file, args.opts, args.local_rank)
-    register_custom_datasets(cfg)
     output_dir = os.path.join(cfg.CKPT, "test")
     if args.eval_only_results:
         rescore(cfg, args.eval_only_results, output_dir)
         return
-    model = META_ARCH_REGISTRY.get(cfg.MODEL.META_ARCHITECTURE)(cfg)
-    load_weights(model, cfg.TEST.WEIGHTS or os.path.join(cfg.CKPT, "model_final.pth"), unsafe=args.unsafe_load)
-    model.to(resolve_device(cfg.DEVICE))
-    compile_submodules(model, cfg.MODEL.COMPILE)
-    if comm.is_main_process():
-        log_model_summary(model, cfg)
+    model = build_test_model(cfg, unsafe=args.unsafe_load)
     test_hook, hooks = build_test_hooks(cfg, args.cfg_file)
     if args.vis > 0:
         hooks.append(DetectionVisualizer(cfg.CKPT, num_images=args.vis))

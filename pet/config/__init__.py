@@ -3,31 +3,47 @@
 ``load_cfg`` is the single entry point the tools use. Every mistake (missing file, YAML
 syntax error, unknown key, wrong type, invalid value) is a :class:`ConfigError` whose
 message names the file or key and what to do.
+
+Plugins: a model part named by dotted path in a ``MODEL.*`` name key (``META_ARCHITECTURE``,
+``TYPE``, ``NAME``, ``HEAD_NAME``), e.g. ``MODEL.ROI_BOX_HEAD.NAME: my_pkg.heads.MyHead``,
+is imported before the YAML is merged; when its module defines ``add_config(cfg)``, that
+function adds the part's own keys to the defaults. A new head thus needs only its own
+files and YAML, never an edit of pet/config.
 """
 from __future__ import annotations
 
 import ast
 import difflib
+import importlib
+import importlib.util
+import logging
 import os
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import yaml
 from fvcore.common.config import CfgNode
 
-from pet.config.defaults import AUTO_OR_BOOL_KEYS, get_default_cfg
+from pet.config.defaults import AUTO_OR_BOOL_KEYS, RENAMED_KEYS, get_default_cfg
 from pet.utils.errors import ConfigError
 
 __all__ = ["CfgNode", "get_default_cfg", "load_cfg", "merge_opts", "default_output_dir"]
+
+logger = logging.getLogger(__name__)
+
+# MODEL.* keys that name a registered part, which may instead be a dotted path to a plugin.
+_PLUGIN_KEY = re.compile(r"MODEL\.(.+\.)?(META_ARCHITECTURE|TYPE|NAME|HEAD_NAME)")
+_DOTTED_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 
 
 def load_cfg(cfg_file: str | None, opts: Sequence[str] = (), *, freeze: bool = True) -> CfgNode:
     """Build the run's config from the defaults, ``cfg_file`` and ``opts`` (``KEY VALUE ...``)."""
     cfg = get_default_cfg()
-    explicit: set[str] = set()
-    if cfg_file:
-        explicit |= _merge_dict(cfg, _read_yaml(cfg_file), source=cfg_file)
-    explicit |= merge_opts(cfg, opts)
+    from_file = _read_yaml(cfg_file) if cfg_file else {}
+    from_opts = _opts_as_dict(opts)
+    add_plugin_config(cfg, from_file, from_opts)
+    explicit = _merge_dict(cfg, from_file, source=cfg_file or "") | _merge_dict(cfg, from_opts, source="command line")
     if not cfg.CKPT:
         cfg.CKPT = default_output_dir(cfg_file)
     validate_cfg(cfg)
@@ -46,6 +62,36 @@ def merge_opts(cfg: CfgNode, opts: Sequence[str]) -> set[str]:
 
     Returns the full names of the keys set.
     """
+    return _merge_dict(cfg, _opts_as_dict(opts), source="command line")
+
+
+def add_plugin_config(cfg: CfgNode, *values: dict) -> None:
+    """Import the plugins the ``MODEL.*`` name keys of ``values`` point at; let each add its keys to ``cfg``.
+
+    ``values`` are the nested dicts about to be merged (the YAML file's, the command line's).
+    A plugin module's ``add_config(cfg)`` runs once per config, before those values are
+    merged, so they may set the plugin's keys.
+    """
+    called = set()
+    for tree in values:
+        for full_key, value in _leaves(tree):
+            if not (_PLUGIN_KEY.fullmatch(full_key) and isinstance(value, str) and _DOTTED_PATH.fullmatch(value)):
+                continue
+            module_name = value.rpartition(".")[0]
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError as exc:
+                raise ConfigError(f"{full_key} names '{value}', but module '{module_name}' cannot be imported: "
+                                  f"{exc}. Check the path and that its package is on PYTHONPATH.") from exc
+            add_config = getattr(module, "add_config", None)
+            if callable(add_config) and module_name not in called:
+                called.add(module_name)
+                add_config(cfg)
+                logger.debug(f"Config keys added by {module_name}.add_config")
+
+
+def _opts_as_dict(opts: Sequence[str]) -> dict[str, Any]:
+    """``["SOLVER.BASE_LR", "0.01", ...]`` as a nested dict of parsed literals."""
     opts = list(opts)
     if len(opts) % 2:
         raise ConfigError(f"Command-line overrides must be KEY VALUE pairs; got an odd list: {opts}")
@@ -56,7 +102,15 @@ def merge_opts(cfg: CfgNode, opts: Sequence[str]) -> set[str]:
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = _parse_literal(raw)
-    return _merge_dict(cfg, nested, source="command line")
+    return nested
+
+
+def _leaves(tree: dict, prefix: str = "") -> Iterable[tuple[str, Any]]:
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
 
 
 def default_output_dir(cfg_file: str | None) -> str:
@@ -78,6 +132,7 @@ def validate_cfg(cfg: CfgNode) -> None:
     checks = [
         (solver.BASE_LR > 0, f"SOLVER.BASE_LR must be > 0, got {solver.BASE_LR}"),
         (solver.IMS_PER_BATCH > 0, f"SOLVER.IMS_PER_BATCH must be > 0, got {solver.IMS_PER_BATCH}"),
+        (solver.ACCUM_STEPS >= 1, f"SOLVER.ACCUM_STEPS must be >= 1, got {solver.ACCUM_STEPS}"),
         (cfg.TEST.IMS_PER_BATCH > 0, f"TEST.IMS_PER_BATCH must be > 0, got {cfg.TEST.IMS_PER_BATCH}"),
         (solver.MAX_ITER > 0 or solver.MAX_EPOCHS > 0,
          "Set SOLVER.MAX_ITER (iteration mode) or SOLVER.MAX_EPOCHS (epoch mode) to a positive value"),
@@ -94,6 +149,13 @@ def validate_cfg(cfg: CfgNode) -> None:
         (cfg.DISPLAY_ITER > 0, f"DISPLAY_ITER must be > 0, got {cfg.DISPLAY_ITER}"),
         (cfg.DATA.ON_BAD_IMAGE in ("error", "skip"),
          f"DATA.ON_BAD_IMAGE must be error or skip, got '{cfg.DATA.ON_BAD_IMAGE}'"),
+        (cfg.TEST.COCO_BACKEND in ("auto", "pycocotools", "faster"),
+         f"TEST.COCO_BACKEND must be auto, pycocotools or faster, got '{cfg.TEST.COCO_BACKEND}'"),
+        (cfg.TEST.COCO_BACKEND != "faster" or importlib.util.find_spec("faster_coco_eval") is not None,
+         "TEST.COCO_BACKEND faster needs faster-coco-eval: pip install faster-coco-eval, or set auto / pycocotools"),
+        (0 < cfg.TEST.DIAGNOSTICS.IOU <= 1, f"TEST.DIAGNOSTICS.IOU must be in (0, 1], got {cfg.TEST.DIAGNOSTICS.IOU}"),
+        (0 <= cfg.TEST.DIAGNOSTICS.SCORE <= 1,
+         f"TEST.DIAGNOSTICS.SCORE must be in [0, 1], got {cfg.TEST.DIAGNOSTICS.SCORE}"),
     ]
     for ok, message in checks:
         if not ok:
@@ -133,6 +195,10 @@ def _merge_dict(cfg: CfgNode, values: dict, source: str, prefix: str = "") -> se
     merged = set()
     for key, value in values.items():
         full_key = prefix + key
+        if key not in cfg and full_key in RENAMED_KEYS:
+            full_key = RENAMED_KEYS[full_key]
+            logger.warning(f"Config key '{prefix + key}' in {source} is now called '{full_key}'; please rename it.")
+            key = full_key.rpartition(".")[2]
         if key not in cfg:
             raise ConfigError(f"Unknown config key '{full_key}' in {source}.{_did_you_mean(full_key)}")
         default = cfg[key]

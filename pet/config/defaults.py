@@ -2,7 +2,9 @@
 
 A YAML file may only set keys defined here (an unknown key is an error that names
 it), so this file is the complete reference of what can be configured. Sections follow
-the data flow: data -> model -> solver -> train -> hooks -> test.
+the data flow: data -> model -> solver -> train -> hooks -> test. It is longer than 400
+lines on purpose: one reference is easier to search than keys scattered over modules
+(a plugin head adds its own keys through ``add_config``, see pet/config/__init__.py).
 """
 from fvcore.common.config import CfgNode as CN
 
@@ -223,8 +225,11 @@ _C.SOLVER.WEIGHT_DECAY_NORM = 0.0
 _C.SOLVER.MAX_ITER = 90000
 # Epochs to train; > 0 selects epoch mode (MAX_ITER is then derived from the dataset size).
 _C.SOLVER.MAX_EPOCHS = 0
-# Images per iteration summed over all processes.
+# Images per batch summed over all processes (one forward/backward).
 _C.SOLVER.IMS_PER_BATCH = 16
+# Gradient accumulation: one iteration (one optimizer step, one LR-schedule step, what hooks,
+# writers and MAX_ITER count) runs ACCUM_STEPS batches, so it sees ACCUM_STEPS x IMS_PER_BATCH images.
+_C.SOLVER.ACCUM_STEPS = 1
 # Learning-rate policy after warm-up: "step" (x GAMMA at each of STEPS) or "cosine".
 _C.SOLVER.LR_POLICY = "step"
 _C.SOLVER.STEPS = (60000, 80000)
@@ -272,9 +277,9 @@ _C.HOOKS = CN()
 _C.HOOKS.CUSTOM = []
 
 _C.HOOKS.CHECKPOINT = CN()
-# Save model_iter{N}.pth every INTERVAL iterations (model_epoch{N}.pth every INTERVAL epochs with
-# BY_EPOCH, which needs SOLVER.MAX_EPOCHS > 0); <= 0 saves only the last.
-_C.HOOKS.CHECKPOINT.INTERVAL = 5000
+# Save model_iter{N}.pth every PERIOD iterations (model_epoch{N}.pth every PERIOD epochs with
+# BY_EPOCH, which needs SOLVER.MAX_EPOCHS > 0); <= 0 saves only the last. (Old name: INTERVAL.)
+_C.HOOKS.CHECKPOINT.PERIOD = 5000
 _C.HOOKS.CHECKPOINT.BY_EPOCH = False
 # Keep optimizer / scheduler state in checkpoints (without them a resume restarts momentum / schedule).
 _C.HOOKS.CHECKPOINT.SAVE_OPTIMIZER = True
@@ -290,7 +295,7 @@ _C.HOOKS.CHECKPOINT.SAVE_LAST = True
 _C.HOOKS.CHECKPOINT.SAVE_BEST = []
 # "greater" or "less" for every SAVE_BEST metric; empty infers it from each name (AP/acc: greater, loss: less).
 _C.HOOKS.CHECKPOINT.RULE = ""
-# First step (iteration, or epoch with BY_EPOCH) to save at; then every INTERVAL.
+# First step (iteration, or epoch with BY_EPOCH) to save at; then every PERIOD.
 _C.HOOKS.CHECKPOINT.SAVE_BEGIN = 0
 # After training, also write model_final-{sha256[:8]}.pth holding only these top-level keys (e.g. ["model"]).
 _C.HOOKS.CHECKPOINT.PUBLISHED_KEYS = []
@@ -300,8 +305,8 @@ _C.HOOKS.EMA = CN()
 _C.HOOKS.EMA.ENABLED = False
 # new_ema = (1 - MOMENTUM) * ema + MOMENTUM * weights
 _C.HOOKS.EMA.MOMENTUM = 0.0002
-# Update the average every INTERVAL iterations.
-_C.HOOKS.EMA.INTERVAL = 1
+# Update the average every PERIOD iterations. (Old name: INTERVAL.)
+_C.HOOKS.EMA.PERIOD = 1
 # First iteration (1-based) / epoch (1-based, epoch mode) averaged; before it the EMA copies the weights.
 _C.HOOKS.EMA.BEGIN_ITER = 0
 _C.HOOKS.EMA.BEGIN_EPOCH = 0
@@ -340,7 +345,7 @@ _C.HOOKS.SYNC_BUFFERS.ENABLED = True
 # torch.profiler over a few iterations.
 _C.HOOKS.PROFILER = CN()
 _C.HOOKS.PROFILER.ENABLED = False
-# Iterations [START_ITER, END_ITER) to profile (0-based).
+# Profile from START_ITER completed iterations to END_ITER completed (iterations START_ITER+1 .. END_ITER).
 _C.HOOKS.PROFILER.START_ITER = 10
 _C.HOOKS.PROFILER.END_ITER = 15
 # "table" writes the top operators to CKPT/profiler.txt; "tensorboard" writes a trace under CKPT/profiler.
@@ -365,7 +370,24 @@ _C.TEST.AMP.DTYPE = "auto"
 # Validate every EVAL_PERIOD iterations (epochs in epoch mode) and after training; 0: no validation
 # while training (test_net.py evaluates the final model).
 _C.TEST.EVAL_PERIOD = 0
-# Extra test hooks (TestHook subclasses), each {type: ..., <kwarg>: ...}.
+# Also compute the validation loss (the training losses on TEST.DATASETS, without updating the model
+# or its BN statistics) and log it next to the AP as loss/total_loss, loss/<term>.
+_C.TEST.VAL_LOSS = False
+# The evaluator (registry name in EVALUATOR_REGISTRY, or a dotted path to a class taking
+# (dataset, output_dir), or with from_config(cfg, dataset, output_dir)).
+_C.TEST.EVALUATOR = "COCOEvaluator"
+# COCOEvaluator's COCOeval: "pycocotools" (the reference), "faster" (faster-coco-eval: the same
+# numbers, ~3-4x faster; pip install faster-coco-eval) or "auto" (faster when installed).
+_C.TEST.COCO_BACKEND = "auto"
+# COCOEvaluator's diagnostics, written next to bbox.json (CKPT/test, CKPT/val): per-class PR curves,
+# a confusion matrix with background, and a TIDE-style error breakdown (pet/evaluation/diagnostics.py).
+_C.TEST.DIAGNOSTICS = CN()
+_C.TEST.DIAGNOSTICS.ENABLED = True
+# IoU at which a detection matches ground truth (confusion matrix, error types, dAP).
+_C.TEST.DIAGNOSTICS.IOU = 0.5
+# Lowest score counted in the confusion matrix and in the error counts at the operating point.
+_C.TEST.DIAGNOSTICS.SCORE = 0.5
+# Extra test callbacks (TestCallback / TestHook subclasses), each {type: ..., <kwarg>: ...}.
 _C.TEST.HOOKS = []
 # Iterations excluded from the speed figures at the start of testing.
 _C.TEST.NUM_WARMUP = 5
@@ -383,6 +405,13 @@ _C.TEST.PRECISE_BN.NUM_ITER = 200
 
 # Keys that take "auto", True or False (YAML and the command line may switch between them).
 AUTO_OR_BOOL_KEYS = ("SOLVER.AMP.ENABLED", "TEST.AMP.ENABLED")
+
+# Old key -> its new name. One idea has one name ("PERIOD": every N iterations); the old
+# names still load, with a warning that names the new key.
+RENAMED_KEYS = {
+    "HOOKS.CHECKPOINT.INTERVAL": "HOOKS.CHECKPOINT.PERIOD",
+    "HOOKS.EMA.INTERVAL": "HOOKS.EMA.PERIOD",
+}
 
 
 def get_default_cfg() -> CN:

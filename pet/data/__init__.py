@@ -7,7 +7,8 @@ from pet.data.catalog import (
     register_coco_dataset,
     register_custom_datasets,
 )
-from pet.data.dataset import COCODataset, DetectionDataset, load_coco_json, read_image
+from pet.data.coco_json import COCODataset, load_coco_json
+from pet.data.dataset import DetectionDataset, read_image
 from pet.data.mapper import DatasetMapper, build_augmentations
 from pet.data.shapes import SHAPE_CLASSES, generate_shapes
 

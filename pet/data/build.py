@@ -23,7 +23,8 @@ from fvcore.common.config import CfgNode
 from torch.utils.data import DataLoader
 
 from pet.data.catalog import get_dataset, register_custom_datasets
-from pet.data.dataset import COCODataset, DetectionDataset, LoadFailure, require_masks
+from pet.data.coco_json import COCODataset, require_masks
+from pet.data.dataset import DetectionDataset, LoadFailure
 from pet.data.mapper import DatasetMapper
 from pet.data.samplers import BatchSampler, EpochSampler, GroupedBatchSampler, InferenceSampler, TrainingSampler
 from pet.data.transforms import resized_shape

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from fvcore.common.config import CfgNode
 
-from pet.data.dataset import COCODataset, load_coco_json
+from pet.data.coco_json import COCODataset, load_coco_json
 from pet.data.shapes import generate_shapes
 from pet.utils.errors import ConfigError
 

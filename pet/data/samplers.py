@@ -22,18 +22,25 @@ __all__ = ["TrainingSampler", "EpochSampler", "InferenceSampler", "GroupedBatchS
 _SEED_LIMIT = 2**31 - 1
 
 
-class TrainingSampler(Sampler):
-    """An infinite, seeded stream of shuffled passes over the data; rank r takes every world_size-th item."""
+class _ShuffledSampler(Sampler):
+    """What the training samplers share: ``size`` items drawn in seeded (shuffled) passes, sharded over ranks.
+
+    ``rank`` / ``world_size`` default to this process's.
+    """
 
     def __init__(self, size: int, seed: int, shuffle: bool = True, rank: int | None = None,
                  world_size: int | None = None) -> None:
         if size <= 0:
-            raise ValueError(f"TrainingSampler needs a non-empty dataset, got size {size}")
+            raise ValueError(f"{type(self).__name__} needs a non-empty dataset, got size {size}")
         self.size = size
         self.seed = int(seed)
         self.shuffle = shuffle
         self.rank = comm.get_rank() if rank is None else rank
         self.world_size = comm.get_world_size() if world_size is None else world_size
+
+
+class TrainingSampler(_ShuffledSampler):
+    """An infinite, seeded stream of shuffled passes over the data; rank r takes every world_size-th item."""
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         return itertools.islice(self._infinite(), self.rank, None, self.world_size)
@@ -44,23 +51,14 @@ class TrainingSampler(Sampler):
             yield from _draw_pass(self.size, g, self.shuffle)
 
 
-class EpochSampler(Sampler):
+class EpochSampler(_ShuffledSampler):
     """One shuffled pass per epoch, reshuffled by ``set_epoch``; every rank gets ceil(size / world_size) items.
 
     The pass is padded by repeating its start so that all ranks run the same number of
     iterations (as ``torch.utils.data.DistributedSampler`` does).
     """
 
-    def __init__(self, size: int, seed: int, shuffle: bool = True, rank: int | None = None,
-                 world_size: int | None = None) -> None:
-        if size <= 0:
-            raise ValueError(f"EpochSampler needs a non-empty dataset, got size {size}")
-        self.size = size
-        self.seed = int(seed)
-        self.shuffle = shuffle
-        self.rank = comm.get_rank() if rank is None else rank
-        self.world_size = comm.get_world_size() if world_size is None else world_size
-        self.epoch = 0
+    epoch = 0  # until set_epoch
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

@@ -1,4 +1,4 @@
-"""Atomic checkpoint files and model-agnostic weight loading.
+"""Atomic checkpoint files and the RNG state they carry.
 
 A checkpoint is written to a temporary file in the same directory, flushed to disk and
 renamed over the target, so a crash or a full disk never leaves a half-written file
@@ -32,7 +32,6 @@ __all__ = [
     "write_last_checkpoint",
     "read_last_checkpoint",
     "load_checkpoint",
-    "unwrap_model",
     "get_rng_state",
     "set_rng_state",
 ]
@@ -42,11 +41,6 @@ logger = logging.getLogger(__name__)
 LAST_CHECKPOINT = "last_checkpoint"
 # Exactly the names temporary_path() makes; a user's "notes.tmp" or "x.tmp.json" never matches.
 _TMP_NAME = re.compile(r".+\.tmp\d+")
-
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside DistributedDataParallel / DataParallel wrappers."""
-    return model.module if hasattr(model, "module") and isinstance(model.module, torch.nn.Module) else model
 
 
 def temporary_path(path: str) -> str:

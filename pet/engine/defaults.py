@@ -1,4 +1,5 @@
-"""What train_net.py and test_net.py share: argument parsing, set-up and clean failure."""
+"""What train_net.py and test_net.py share: argument parsing, set-up, building the trainer or
+the test model from the config, and clean failure."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +9,7 @@ import os
 import random
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,13 +17,27 @@ import torch.distributed as dist
 from fvcore.common.config import CfgNode
 
 from pet.config import load_cfg
+from pet.data import register_custom_datasets
+from pet.engine.build import prepare_model
 from pet.engine.checkpoint import write_failure_remedy
-from pet.engine.trainer import resolve_device
+from pet.engine.common import resolve_device, unwrap_model
+from pet.engine.trainer import Trainer
 from pet.utils import comm
 from pet.utils.errors import PetError
 from pet.utils.logger import setup_logger
+from pet.utils.model_summary import log_model_summary
+from pet.utils.registry import build_model
+from pet.utils.weights import load_weights
 
-__all__ = ["default_argument_parser", "default_setup", "launch_cli", "init_distributed", "distributed_backend"]
+__all__ = [
+    "default_argument_parser",
+    "default_setup",
+    "build_trainer",
+    "build_test_model",
+    "launch_cli",
+    "init_distributed",
+    "distributed_backend",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +86,7 @@ def seed_everything(seed: int) -> None:
 
 
 def default_setup(cfg_file: str, opts: list[str], local_rank: int | None = None) -> CfgNode:
-    """Load the config, join the process group, set up logging, threads and seeds."""
+    """Load the config, join the process group, set up logging, threads and seeds, register ``DATA.CUSTOM``."""
     cfg = load_cfg(cfg_file, opts)
     init_distributed(local_rank, cfg.DEVICE)
     rank = comm.get_rank()
@@ -80,7 +96,40 @@ def default_setup(cfg_file: str, opts: list[str], local_rank: int | None = None)
         torch.set_num_threads(cfg.NUM_THREADS)
     seed = cfg.SEED if cfg.SEED >= 0 else int.from_bytes(os.urandom(2), "little")
     seed_everything(seed + rank)
+    register_custom_datasets(cfg)
     return cfg
+
+
+def build_trainer(cfg: CfgNode, *, resume: bool = False, unsafe: bool = False, weights_only: bool = False,
+                  **parts: Any) -> Trainer:
+    """A :class:`Trainer` set up as tools/train_net.py runs it, ready for ``train()``.
+
+    ``parts`` (model, optimizer, scheduler, data_loader, default_hooks) go to the Trainer;
+    the rest is built from ``cfg``. Building fails on a bad model, data, hook or writer
+    setting before anything is written; then the main process writes ``CKPT/config.yaml``
+    and logs the model summary, and the trainer resumes from ``last_checkpoint`` when
+    ``resume`` or ``TRAIN.AUTO_RESUME`` (else loads ``TRAIN.WEIGHTS``); ``weights_only``
+    resumes all but the optimizer's state.
+    """
+    trainer = Trainer(cfg, **parts)
+    if comm.is_main_process():
+        os.makedirs(cfg.CKPT, exist_ok=True)
+        with open(os.path.join(cfg.CKPT, "config.yaml"), "w", encoding="utf-8") as f:
+            f.write(cfg.dump())
+        log_model_summary(unwrap_model(trainer.model), cfg)
+    trainer.resume_or_load(resume=resume or weights_only or cfg.TRAIN.AUTO_RESUME, unsafe=unsafe,
+                           weights_only=weights_only)
+    return trainer
+
+
+def build_test_model(cfg: CfgNode, *, weights: str = "", unsafe: bool = False) -> torch.nn.Module:
+    """The model of ``cfg`` with ``weights`` (default: ``TEST.WEIGHTS``, else ``CKPT/model_final.pth``) loaded,
+    on ``DEVICE``, as tools/test_net.py evaluates it."""
+    model = prepare_model(build_model(cfg), cfg)
+    load_weights(model, weights or cfg.TEST.WEIGHTS or os.path.join(cfg.CKPT, "model_final.pth"), unsafe=unsafe)
+    if comm.is_main_process():
+        log_model_summary(model, cfg)
+    return model
 
 
 _WRITE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG)

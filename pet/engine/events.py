@@ -5,9 +5,10 @@ Anything in the process (hooks, the trainer, a model) can record a value with
 the storage to every writer. Writers only read the storage, so adding one (a CSV file,
 a web dashboard) never changes what the others see.
 
-Iteration numbering: values put while the iteration with index ``i`` (0-based, as
-``trainer.iter``) runs are recorded at ``storage.iter == i + 1``, the number of iterations
-completed when that step ends. That is the ``iteration`` field of ``metrics.json``.
+Iteration numbering: ``storage.iter`` is the trainer's one counter, ``trainer.iter``: the
+1-based number of the iteration that is running, so a value put during iteration ``n`` is
+recorded at ``n``, the number of iterations completed when that step ends. That is the
+``iteration`` field of ``metrics.json``.
 """
 from __future__ import annotations
 
@@ -16,14 +17,17 @@ import json
 import logging
 import os
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+from fvcore.common.config import CfgNode
 from fvcore.common.history_buffer import HistoryBuffer
 
 from pet.engine.checkpoint import atomic_write_bytes
-from pet.utils.registry import Registry
+from pet.utils.errors import ConfigError
+from pet.utils.registry import Registry, build_from_spec, resolve_spec
+from pet.utils.visualization import plot_training_curves
 
 __all__ = [
     "EventStorage",
@@ -32,13 +36,18 @@ __all__ = [
     "CommonMetricPrinter",
     "JSONWriter",
     "TensorboardXWriter",
+    "TrainingCurvesWriter",
     "read_metrics",
     "WRITERS",
+    "build_writers",
+    "writer_class",
 ]
 
 # History kept per scalar. Windows used for smoothing are far smaller; the global
 # average covers the whole run anyway, so memory stays flat over long runs.
 _HISTORY_LENGTH = 10000
+
+logger = logging.getLogger(__name__)
 
 _CURRENT_STORAGE_STACK: list[EventStorage] = []
 
@@ -226,10 +235,66 @@ class TensorboardXWriter(EventWriter):
         self._writer.close()
 
 
-WRITERS = Registry("event writer")
+class TrainingCurvesWriter(EventWriter):
+    """Draws ``curves.png`` (losses, lr, validation AP against iteration) from ``metrics.json`` when closed.
+
+    Writers are closed after the last write of a run, also a failed or stopped one, so the
+    picture shows how far it got; writers listed after it (``TRAIN.WRITERS``, e.g. an
+    experiment tracker) find the picture there when they close. ``tools/plot_metrics.py``
+    redraws it any time.
+    """
+
+    def __init__(self, output_dir: str, filename: str = "curves.png") -> None:
+        self.output_dir = output_dir
+        self.filename = filename
+
+    def write(self, **kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        metrics = os.path.join(self.output_dir, "metrics.json")
+        records = read_metrics(metrics) if os.path.isfile(metrics) else []
+        if records:
+            out = plot_training_curves([records], os.path.join(self.output_dir, self.filename),
+                                       [os.path.basename(os.path.normpath(self.output_dir))])
+            logger.info(f"Training curves: {out}")
+
+
+WRITERS = Registry("event writer", default_module="pet.engine.trackers")  # WandbWriter, MLflowWriter
 WRITERS.__doc__ = "EventWriter classes by name, for TRAIN.WRITERS entries in YAML."
-for _writer in (CommonMetricPrinter, JSONWriter, TensorboardXWriter):
+for _writer in (CommonMetricPrinter, JSONWriter, TensorboardXWriter, TrainingCurvesWriter):
     WRITERS.register(_writer)
+
+
+def build_writers(cfg: CfgNode, max_iter: int, start_iter: int = 0) -> list[EventWriter]:
+    """Terminal printer, metrics.json and curves.png, TensorBoard (as configured), then ``TRAIN.WRITERS`` entries.
+
+    They are closed in this order, so metrics.json is complete when the curves are drawn
+    and both exist when the ``TRAIN.WRITERS`` entries close.
+    """
+    writers: list[EventWriter] = [CommonMetricPrinter(max_iter)]
+    if cfg.TRAIN.SAVE_AS_JSON:
+        writers.append(JSONWriter(os.path.join(cfg.CKPT, "metrics.json"), start_iter=start_iter))
+        writers.append(TrainingCurvesWriter(cfg.CKPT))
+    if cfg.TRAIN.USE_TENSORBOARD:
+        writers.append(TensorboardXWriter(cfg.CKPT, start_iter=start_iter))
+    for spec in cfg.TRAIN.WRITERS:
+        writer_class(spec)
+        writers.append(build_from_spec(WRITERS, spec, output_dir=cfg.CKPT))
+    return writers
+
+
+def writer_class(spec: Mapping[str, Any]) -> type[EventWriter]:
+    """The EventWriter subclass a ``TRAIN.WRITERS`` entry names, imported but not built.
+
+    Writers open their files when built, at the start of training; resolving the names
+    first turns a typo or a dotted path that does not import into a ConfigError before
+    anything is written.
+    """
+    cls = resolve_spec(WRITERS, spec)
+    if not (isinstance(cls, type) and issubclass(cls, EventWriter)):
+        raise ConfigError(f"TRAIN.WRITERS entry {dict(spec)} names {cls!r}, which is not an EventWriter subclass")
+    return cls
 
 
 def read_metrics(json_file: str) -> list[dict[str, float]]:

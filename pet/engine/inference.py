@@ -1,7 +1,8 @@
-"""The test loop: run a model over a loader, time it honestly with TestHook, evaluate.
+"""The test loop: run a model over a loader, time it honestly, evaluate.
 
 The loop is model-agnostic: a batch goes to ``model(*batch)``, the outputs and the
-batch go to an evaluator (``reset`` / ``process(inputs, outputs)`` / ``evaluate``).
+batch go to an evaluator (``reset`` / ``process(inputs, outputs)`` / ``evaluate``) built
+from ``TEST.EVALUATOR`` by registry name, and to any :class:`TestCallback`.
 """
 from __future__ import annotations
 
@@ -14,15 +15,18 @@ from typing import Any, Protocol
 import torch
 from fvcore.common.config import CfgNode
 
-from pet.engine.hooks.test_hook import TestHook
+from pet.data import DatasetMapper, build_test_loader
+from pet.engine.checkpoint import get_rng_state, set_rng_state
+from pet.engine.common import call_model, flatten_metrics, model_device
 from pet.engine.precision import Precision, choose_precision
-from pet.engine.trainer import call_model
+from pet.engine.timing import InferenceTimer
 from pet.utils import comm
-from pet.utils.registry import EVALUATOR_REGISTRY, build_from_spec
+from pet.utils.registry import EVALUATOR_REGISTRY
 from pet.utils.tensor import move_to_device
 from pet.utils.timers import activate
 
-__all__ = ["Evaluator", "inference_on_dataset", "evaluate_on_datasets", "build_test_hooks", "inference_precision"]
+__all__ = ["Evaluator", "TestCallback", "build_evaluator", "inference_on_dataset", "evaluate_on_datasets",
+           "inference_precision", "validation_loss"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +37,38 @@ class Evaluator(Protocol):
     def process(self, inputs: Any, outputs: Any) -> None: ...
 
     def evaluate(self) -> dict[str, dict[str, float]]: ...
+
+
+class TestCallback:
+    """Base class of test-time callbacks: every point is a no-op, called with keyword arguments only.
+
+    Subclass it and override what you need (``def after_test_iter(self, outputs, **kwargs)``);
+    name the class in ``TEST.HOOKS`` (registered in ``HOOKS`` or by dotted path) to use it
+    from tools/test_net.py.
+    """
+
+    __test__ = False  # not a pytest test class, despite the name
+
+    def before_test(self, **kwargs: Any) -> None:
+        """Before the first batch, with ``model`` and ``data_loader``."""
+
+    def after_test_iter(self, **kwargs: Any) -> None:
+        """After each batch, with ``inputs`` (the batch) and ``outputs`` (the model's)."""
+
+    def after_test(self, **kwargs: Any) -> None:
+        """After the last batch, with ``results`` (predictions) and ``metrics``."""
+
+
+def build_evaluator(cfg: CfgNode, dataset: Any, output_dir: str) -> Evaluator:
+    """The ``TEST.EVALUATOR`` (a registry name or dotted path) for ``dataset``, writing into ``output_dir``.
+
+    A class with ``from_config(cfg, dataset, output_dir)`` is built through it (so it can read its
+    own keys); any other is called as ``cls(dataset, output_dir)``.
+    """
+    cls = EVALUATOR_REGISTRY.get(cfg.TEST.EVALUATOR)
+    if hasattr(cls, "from_config"):
+        return cls.from_config(cfg, dataset, output_dir)
+    return cls(dataset, output_dir)
 
 
 def _shard_range(data_loader: Any) -> tuple[int, int, int]:
@@ -48,21 +84,23 @@ def inference_on_dataset(
     model: torch.nn.Module,
     data_loader: Iterable[Any],
     evaluator: Evaluator,
-    test_hook: TestHook | None = None,
-    hooks: Iterable[TestHook] = (),
+    test_hook: InferenceTimer | None = None,
+    hooks: Iterable[TestCallback] = (),
     precision: Precision | None = None,
 ) -> dict[str, dict[str, float]]:
     """Run ``model`` in eval mode over ``data_loader`` and return ``evaluator.evaluate()``.
 
     ``precision`` (from :func:`inference_precision`) autocasts the model's forward; float32 when not given.
 
-    ``test_hook`` times the stages (per batch: data, infer, post; iter = all three plus
-    the loop itself); the periodic ``[Testing]`` line also shows any extra timers (for
-    example ``timed("rpn")`` in model code). ``hooks`` only receive the callbacks.
+    ``test_hook`` (a :class:`pet.engine.hooks.TestHook` or any InferenceTimer) times the
+    stages (per batch: data, infer, post; iter = all three plus the loop itself); the
+    periodic ``[Testing]`` line also shows any extra timers (for example ``timed("rpn")``
+    in model code). It receives the callbacks too when it is a TestCallback; ``hooks``
+    receive only the callbacks.
     """
-    test_hook = test_hook or TestHook()
-    callbacks = [test_hook, *hooks]
-    device = next(model.parameters()).device
+    test_hook = test_hook or InferenceTimer()
+    callbacks = [hook for hook in (test_hook, *hooks) if isinstance(hook, TestCallback)]
+    device = model_device(model)
     precision = precision or Precision(device.type, None, False, "no precision given")
     test_hook.cuda_sync = device.type == "cuda"
     test_hook.device = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -111,50 +149,71 @@ def inference_on_dataset(
     return metrics
 
 
+def validation_loss(model: torch.nn.Module, data_loader: Iterable[Any], precision: Precision) -> dict[str, float]:
+    """Each loss term of the model's training forward, and ``total_loss``, averaged over ``data_loader``.
+
+    Nothing a training run depends on changes: the model computes its losses in training
+    mode (where detectors compute them) but with every BatchNorm layer in eval mode, so
+    running statistics are not updated; no gradients; and the Python / numpy / torch RNG
+    states are restored afterwards, so the random stream training continues with (proposal
+    sampling, augmentation) is the one it would have had. Averaged over processes.
+    """
+    device = model_device(model)
+    was_training = model.training
+    rng = get_rng_state()
+    sums: dict[str, float] = {}
+    batches = 0
+    model.train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            module.eval()
+    try:
+        with torch.no_grad():
+            for batch in data_loader:
+                with precision.autocast():
+                    losses = call_model(model, move_to_device(batch, device))
+                values = {name: float(value) for name, value in losses.items()}
+                values["total_loss"] = sum(values.values())
+                for name, value in values.items():
+                    sums[name] = sums.get(name, 0.0) + value
+                batches += 1
+    finally:
+        model.train(was_training)
+        set_rng_state(rng)
+    return comm.reduce_scalars({name: value / max(batches, 1) for name, value in sums.items()})
+
+
 def inference_precision(cfg: CfgNode, device: torch.device) -> Precision:
     """Inference precision from ``TEST.AMP`` (the rule of :mod:`pet.engine.precision`)."""
     return choose_precision(cfg.TEST.AMP.ENABLED, cfg.TEST.AMP.DTYPE, device, training=False, key="TEST.AMP")
-
-
-def build_test_hooks(cfg: CfgNode, cfg_filename: str | None = None) -> tuple[TestHook, list[TestHook]]:
-    """The timing TestHook and the ``TEST.HOOKS`` callbacks."""
-    from pet.engine.hooks import HOOKS
-
-    timer = TestHook(cfg_filename, logperiod=cfg.TEST.LOG_PERIOD, num_warmup=cfg.TEST.NUM_WARMUP)
-    extra = []
-    for spec in cfg.TEST.HOOKS:
-        hook = build_from_spec(HOOKS, spec, output_dir=cfg.CKPT)
-        if not isinstance(hook, TestHook):
-            raise TypeError(f"TEST.HOOKS entry {dict(spec)} built {type(hook).__name__}, not a TestHook")
-        extra.append(hook)
-    return timer, extra
 
 
 def evaluate_on_datasets(
     cfg: CfgNode,
     model: torch.nn.Module,
     output_dir: str,
-    test_hook: TestHook | None = None,
-    hooks: Iterable[TestHook] = (),
+    test_hook: InferenceTimer | None = None,
+    hooks: Iterable[TestCallback] = (),
 ) -> dict[str, float]:
     """Evaluate on every ``TEST.DATASETS`` entry; flat ``{"bbox/AP": ...}`` metrics.
 
-    With several datasets the names are prefixed: ``"coco_2017_val/bbox/AP"``.
+    With ``TEST.VAL_LOSS`` the losses of the model's training forward on the same images
+    (:func:`validation_loss`) follow as ``loss/total_loss``, ``loss/<term>``. With several
+    datasets the names are prefixed: ``"coco_2017_val/bbox/AP"``.
     """
-    from pet.data import build_test_loader
-
     datasets = list(cfg.TEST.DATASETS)
-    precision = inference_precision(cfg, next(model.parameters()).device)
+    precision = inference_precision(cfg, model_device(model))
     logger.info(f"Test precision: {precision}")
     flat: dict[str, float] = {}
     for name in datasets:
         loader = build_test_loader(cfg, name)
         out_dir = output_dir if len(datasets) == 1 else os.path.join(output_dir, name)
-        evaluator = EVALUATOR_REGISTRY.get("COCOEvaluator")(loader.dataset, out_dir)
+        evaluator = build_evaluator(cfg, loader.dataset, out_dir)
         results = inference_on_dataset(model, loader, evaluator, test_hook, hooks, precision)
-        prefix = "" if len(datasets) == 1 else f"{name}/"
-        for task, values in results.items():
-            for metric, value in values.items():
-                flat[f"{prefix}{task}/{metric}"] = value
+        if cfg.TEST.VAL_LOSS:
+            # Training targets (masks too for a mask model), the test transforms.
+            mapper = DatasetMapper.from_config(cfg, is_train=False, mask_on=bool(cfg.MODEL.MASK_ON))
+            results["loss"] = validation_loss(model, build_test_loader(cfg, name, mapper), precision)
+        flat.update(flatten_metrics(results, "" if len(datasets) == 1 else f"{name}/"))
     comm.synchronize()
     return flat

@@ -10,7 +10,12 @@ import torch
 from fvcore.common.config import CfgNode
 from fvcore.common.param_scheduler import CosineParamScheduler, MultiStepParamScheduler, ParamScheduler
 
-__all__ = ["build_optimizer", "build_lr_scheduler", "lr_multiplier", "WarmupLR"]
+__all__ = ["build_optimizer", "build_lr_scheduler", "lr_multiplier", "WarmupLR", "SCHEDULE_KEYS"]
+
+# The SOLVER keys that shape the learning rate of every iteration (checkpoints record them, so a
+# resume can say what changed).
+SCHEDULE_KEYS = ("BASE_LR", "LR_POLICY", "STEPS", "GAMMA", "WARMUP_ITERS", "WARMUP_FACTOR", "WEIGHT_DECAY",
+                 "MOMENTUM")
 
 _NORM_TYPES = (
     torch.nn.modules.batchnorm._BatchNorm,
@@ -57,7 +62,8 @@ class WarmupLR:
     per iteration, this costs a multiplication per parameter group. It has the same
     ``step`` / ``get_last_lr`` / ``state_dict`` / ``load_state_dict`` API. Its state is
     the iteration count only, so checkpoints load with ``weights_only=True`` and a
-    resumed run may change ``SOLVER.MAX_ITER`` and continue on the new schedule.
+    resumed run continues on the schedule it is built with now (a new ``MAX_ITER``,
+    ``STEPS``, ``LR_POLICY`` or ``BASE_LR``) from the resumed iteration.
     """
 
     def __init__(
@@ -99,11 +105,10 @@ class WarmupLR:
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def state_dict(self) -> dict:
-        return {"last_epoch": self.last_epoch, "base_lrs": list(self.base_lrs)}
+        return {"last_epoch": self.last_epoch}
 
     def load_state_dict(self, state: dict) -> None:
         self.last_epoch = int(state["last_epoch"])
-        self.base_lrs = list(state["base_lrs"])
         self._apply()
 
 

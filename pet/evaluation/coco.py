@@ -1,34 +1,35 @@
-"""COCO box and mask evaluation through pycocotools.
+"""COCO box and mask evaluation: pycocotools' COCOeval, or faster-coco-eval's (the same numbers).
 
 :class:`COCOEvaluator` collects a model's detections batch by batch, turns them into
 COCO results (the dataset's own category ids, XYWH boxes, RLE masks), gathers them from
 all processes and runs COCOeval on rank 0 (iouType "bbox", and "segm" when the model
-outputs masks). :func:`evaluate_results_file` re-scores a saved ``bbox.json`` or
-``segm.json`` without the model.
+outputs masks) with the backend of :mod:`pet.evaluation.backends`, then writes the
+diagnostics of :mod:`pet.evaluation.diagnostics`. :func:`evaluate_results_file` re-scores
+a saved ``bbox.json`` or ``segm.json`` without the model.
 """
 from __future__ import annotations
 
-import contextlib
-import copy
-import io
 import json
 import logging
 import os
-import tempfile
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import pycocotools.mask as mask_util
 import torch
-from pycocotools.cocoeval import COCOeval
+from fvcore.common.config import CfgNode
 
+from pet.evaluation.backends import COCOEvalResult, resolve_backend, run_cocoeval
+from pet.evaluation.diagnostics import write_diagnostics
+from pet.evaluation.files import write_json_atomic
 from pet.utils import comm
 from pet.utils.errors import DataError
 from pet.utils.registry import EVALUATOR_REGISTRY
 from pet.utils.table import format_table
 
-__all__ = ["COCOEvaluator", "evaluate_results_file", "BOX_METRICS"]
+__all__ = ["COCOEvaluator", "evaluate_results_file", "BOX_METRICS", "write_json_atomic"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,16 +50,42 @@ class COCOEvaluator:
     Use: ``reset()``, then ``process(targets, outputs)`` for every batch, then
     ``evaluate()``. Only the images seen by ``process`` are scored, so a partial run
     (or images skipped as unreadable) is scored on what was actually tested.
+
+    ``backend``: "pycocotools" (the reference), "faster" (faster-coco-eval, same numbers) or
+    "auto" (faster when installed); see :mod:`pet.evaluation.backends`. With ``diagnostics``
+    and an ``output_dir``, ``evaluate()`` also writes PR curves, a confusion matrix and an
+    error breakdown per task (:mod:`pet.evaluation.diagnostics`), at IoU ``diagnostics_iou``
+    and, for the confusion matrix and the counts, score ``diagnostics_score``.
     """
 
-    def __init__(self, dataset: Any, output_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        output_dir: str | None = None,
+        *,
+        backend: str = "auto",
+        diagnostics: bool = True,
+        diagnostics_iou: float = 0.5,
+        diagnostics_score: float = 0.5,
+    ) -> None:
         if isinstance(dataset, str):
             from pet.data import get_dataset
 
             dataset = get_dataset(dataset)
         self.dataset = dataset
         self.output_dir = output_dir
+        self.backend = resolve_backend(backend)
+        self.diagnostics = diagnostics
+        self.diagnostics_iou = diagnostics_iou
+        self.diagnostics_score = diagnostics_score
         self.reset()
+
+    @classmethod
+    def from_config(cls, cfg: CfgNode, dataset: Any, output_dir: str | None = None) -> COCOEvaluator:
+        """Built from ``TEST.COCO_BACKEND`` and ``TEST.DIAGNOSTICS.{ENABLED,IOU,SCORE}``."""
+        diagnostics = cfg.TEST.DIAGNOSTICS
+        return cls(dataset, output_dir, backend=cfg.TEST.COCO_BACKEND, diagnostics=diagnostics.ENABLED,
+                   diagnostics_iou=diagnostics.IOU, diagnostics_score=diagnostics.SCORE)
 
     def reset(self) -> None:
         self._predictions: dict[int, list[dict[str, Any]]] = {}
@@ -93,7 +120,8 @@ class COCOEvaluator:
         ground truth for a metric (e.g. APl without large objects). Gathers the
         predictions of all processes; only rank 0 evaluates, the others return ``{}``.
         Writes ``output_dir/bbox.json`` (and ``segm.json``; COCO results format) when
-        ``output_dir`` is set.
+        ``output_dir`` is set, and with ``diagnostics`` the files of
+        :func:`pet.evaluation.diagnostics.write_diagnostics` beside them.
         """
         predictions = self._predictions
         if comm.get_world_size() > 1:
@@ -106,7 +134,8 @@ class COCOEvaluator:
         if not predictions:
             logger.warning("COCOEvaluator.evaluate() called without any processed image; returning {}.")
             return {}
-        results = [d for image_id in sorted(predictions) for d in predictions[image_id]]
+        image_ids = sorted(predictions)
+        results = [d for image_id in image_ids for d in predictions[image_id]]
         with_masks = self._with_masks or any("segmentation" in d for d in results)
         metrics = {}
         for iou_type in ("bbox", "segm") if with_masks else ("bbox",):
@@ -115,16 +144,21 @@ class COCOEvaluator:
                 path = os.path.join(self.output_dir, f"{iou_type}.json")
                 write_json_atomic(path, task_results)
                 logger.info(f"Saved {len(task_results)} detections to {path}")
-            metrics[iou_type] = _evaluate(self.dataset, task_results, sorted(predictions), iou_type)
+            result = _cocoeval(self.dataset, task_results, image_ids, iou_type, self.backend)
+            metrics[iou_type] = _metrics(result, self.dataset)
+            if self.diagnostics and self.output_dir:
+                write_diagnostics(self.output_dir, iou_type, result, self.dataset.coco, task_results, image_ids,
+                                  self.dataset.class_names, _category_ids(self.dataset),
+                                  self.diagnostics_iou, self.diagnostics_score)
         return metrics
 
 
-def evaluate_results_file(dataset: Any, results_json: str) -> dict[str, dict[str, float]]:
+def evaluate_results_file(dataset: Any, results_json: str, backend: str = "auto") -> dict[str, dict[str, float]]:
     """Score a saved COCO results file against ``dataset`` on all its images.
 
     Detections with ``bbox`` are scored as boxes (``bbox.json``), detections with an RLE
     ``segmentation`` as masks (``segm.json``); a file whose detections have both gets both.
-    ``dataset`` is as in :class:`COCOEvaluator`. Returns the same dict as ``evaluate()``.
+    ``dataset`` and ``backend`` are as in :class:`COCOEvaluator`. Returns the same dict as ``evaluate()``.
     """
     if isinstance(dataset, str):
         from pet.data import get_dataset
@@ -158,7 +192,9 @@ def evaluate_results_file(dataset: Any, results_json: str) -> dict[str, dict[str
         raise DataError(f"{results_json} mixes detections with only a bbox and detections with only a segmentation; "
                         "keep boxes (bbox.json) and masks (segm.json) in separate files.")
     image_ids = sorted(images)
-    return {t: _evaluate(dataset, _results_for(t, results), image_ids, t) for t in iou_types}
+    backend = resolve_backend(backend)
+    return {t: _metrics(_cocoeval(dataset, _results_for(t, results), image_ids, t, backend), dataset)
+            for t in iou_types}
 
 
 def detections_to_coco(
@@ -194,21 +230,6 @@ def masks_to_rle(masks: Any) -> list[dict[str, Any]]:
     return [{"size": [int(v) for v in rle["size"]], "counts": rle["counts"].decode("ascii")} for rle in rles]
 
 
-def write_json_atomic(path: str, obj: Any) -> None:
-    """Write JSON to a temporary file in the same folder, then rename it over ``path``."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-
-
 def _results_for(iou_type: str, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The results without the other task's field: COCO's ``loadRes`` takes a mask's area from
     its ``bbox`` when there is one, which would put masks in the wrong APs/APm/APl range."""
@@ -225,38 +246,40 @@ def _check_rle(segmentation: Any, image: dict[str, Any], where: str) -> None:
                         f"{image['id']} is {image['height']}x{image['width']}. Was the file made on another dataset?")
 
 
-def _evaluate(dataset: Any, results: list[dict[str, Any]], image_ids: Iterable[int], iou_type: str) -> dict[str, float]:
-    class_names = list(dataset.class_names)
+def _cocoeval(
+    dataset: Any, results: list[dict[str, Any]], image_ids: Iterable[int], iou_type: str, backend: str
+) -> COCOEvalResult:
+    name = getattr(dataset, "name", "?")
     if not results:
-        logger.warning(f"No detections at all on dataset '{getattr(dataset, 'name', '?')}': every {iou_type} AP is 0.")
-        return {**{m: 0.0 for m in BOX_METRICS}, **{f"AP-{n}": 0.0 for n in class_names}}
-    coco_gt = dataset.coco
-    with contextlib.redirect_stdout(io.StringIO()):
-        coco_dt = coco_gt.loadRes(copy.deepcopy(results))  # loadRes adds fields to the dicts it gets
-        coco_eval = COCOeval(coco_gt, coco_dt, iou_type)
-        coco_eval.params.imgIds = list(image_ids)
-        coco_eval.evaluate()
-        coco_eval.accumulate()
-    summary = io.StringIO()
-    with contextlib.redirect_stdout(summary):
-        coco_eval.summarize()
-    logger.info(f"COCOeval {iou_type} summary on '{getattr(dataset, 'name', '?')}':\n{summary.getvalue().rstrip()}")
-    metrics = {m: _percent(v) for m, v in zip(BOX_METRICS, coco_eval.stats[:6])}
-    metrics.update(_per_category_ap(coco_eval, dataset))
-    _log_tables(metrics, class_names, iou_type)
+        logger.warning(f"No detections at all on dataset '{name}': {iou_type} AP is 0 wherever there is ground truth.")
+    start = time.perf_counter()
+    result = run_cocoeval(dataset.coco, results, iou_type, image_ids, backend)
+    logger.info(f"COCOeval {iou_type} summary on '{name}' ({backend}, {time.perf_counter() - start:.2f} s):\n"
+                f"{result.summary}")
+    return result
+
+
+def _metrics(result: COCOEvalResult, dataset: Any) -> dict[str, float]:
+    metrics = {m: _percent(v) for m, v in zip(BOX_METRICS, result.stats[:6])}
+    metrics.update(_per_category_ap(result, dataset))
+    _log_tables(metrics, list(dataset.class_names), result.iou_type)
     return metrics
 
 
-def _per_category_ap(coco_eval: COCOeval, dataset: Any) -> dict[str, float]:
+def _category_ids(dataset: Any) -> list[int]:
+    """The category id of each class index (label - 1)."""
+    return [dataset.label_to_category_id[label] for label in range(1, len(dataset.class_names) + 1)]
+
+
+def _per_category_ap(result: COCOEvalResult, dataset: Any) -> dict[str, float]:
     # precision: [IoU thresholds, recall points, categories, area ranges, max dets]; area "all", 100 dets.
-    precision = coco_eval.eval["precision"]
-    cat_index = {cid: k for k, cid in enumerate(coco_eval.params.catIds)}
-    result = {}
-    for label, name in enumerate(dataset.class_names, start=1):
-        p = precision[:, :, cat_index[dataset.label_to_category_id[label]], 0, -1]
+    cat_index = {cid: k for k, cid in enumerate(result.category_ids)}
+    metrics = {}
+    for name, category_id in zip(dataset.class_names, _category_ids(dataset)):
+        p = result.precision[:, :, cat_index[category_id], 0, -1]
         p = p[p > -1]
-        result[f"AP-{name}"] = float(p.mean() * 100) if p.size else float("nan")
-    return result
+        metrics[f"AP-{name}"] = float(p.mean() * 100) if p.size else float("nan")
+    return metrics
 
 
 def _log_tables(metrics: dict[str, float], class_names: list[str], iou_type: str) -> None:

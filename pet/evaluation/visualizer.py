@@ -8,7 +8,8 @@ from typing import Any
 import cv2
 import numpy as np
 
-from pet.engine.hooks import HOOKS, TestHook
+from pet.data import read_image
+from pet.engine.hooks import HOOKS, TestCallback
 from pet.utils import comm
 from pet.utils.visualization import draw_detections
 
@@ -18,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 
 @HOOKS.register()
-class DetectionVisualizer(TestHook):
+class DetectionVisualizer(TestCallback):
     """After the test, write the first ``num_images`` test images with their detections to ``CKPT/test/vis/``.
 
     Ground truth is drawn in thin white, detections scoring at least ``score_thresh`` in a
@@ -28,7 +29,6 @@ class DetectionVisualizer(TestHook):
     """
 
     def __init__(self, output_dir: str, num_images: int = 8, score_thresh: float = 0.5) -> None:
-        super().__init__()
         self.vis_dir = os.path.join(output_dir, "test", "vis")
         self.num_images = num_images
         self.score_thresh = score_thresh
@@ -41,8 +41,6 @@ class DetectionVisualizer(TestHook):
     def after_test(self, results: list[dict[str, Any]] | None = None, **kwargs: Any) -> None:
         if not comm.is_main_process() or self.dataset is None or results is None:
             return
-        from pet.data.dataset import read_image
-
         coco = self.dataset.coco
         names = {c["id"]: c["name"] for c in coco.loadCats(coco.getCatIds())}
         by_image: dict[int, list[dict[str, Any]]] = {}

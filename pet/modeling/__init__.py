@@ -6,31 +6,17 @@ checkpoint or a torchvision ``state_dict`` into it. To add a detector, backbone 
 RoI box or mask head, or one-stage dense head, register it in the matching registry (see
 :mod:`pet.modeling.registry`, which also says what each entry is called with and returns) and name it in YAML.
 """
-import torch
-from fvcore.common.config import CfgNode
-
+from pet.modeling import registry
 from pet.modeling.backbone import build_backbone
 from pet.modeling.faster_rcnn import FasterRCNN
 from pet.modeling.fcos import FCOS
 from pet.modeling.mask_rcnn import MaskRCNN
-from pet.modeling.registry import (
-    BACKBONE_REGISTRY,
-    DENSE_HEAD_REGISTRY,
-    META_ARCH_REGISTRY,
-    ROI_BOX_HEAD_REGISTRY,
-    ROI_MASK_HEAD_REGISTRY,
-    RPN_HEAD_REGISTRY,
-)
+from pet.modeling.registry import *  # noqa: F403 - the registries, as registry.__all__ lists them
 from pet.modeling.retinanet import RetinaNet
-from pet.modeling.weights import convert_state_dict
+from pet.modeling.state_dict_names import convert_state_dict
+from pet.utils.registry import build_model
 
 __all__ = [
-    "META_ARCH_REGISTRY",
-    "BACKBONE_REGISTRY",
-    "RPN_HEAD_REGISTRY",
-    "ROI_BOX_HEAD_REGISTRY",
-    "ROI_MASK_HEAD_REGISTRY",
-    "DENSE_HEAD_REGISTRY",
     "build_model",
     "build_backbone",
     "convert_state_dict",
@@ -39,8 +25,5 @@ __all__ = [
     "RetinaNet",
     "FCOS",
 ]
+__all__ += registry.__all__
 
-
-def build_model(cfg: CfgNode) -> torch.nn.Module:
-    """The detector named by ``MODEL.META_ARCHITECTURE``, on the CPU (the trainer moves it)."""
-    return META_ARCH_REGISTRY.get(cfg.MODEL.META_ARCHITECTURE)(cfg)

@@ -20,7 +20,7 @@ from pet.modeling.preprocess import Normalizer, image_sizes
 from pet.modeling.registry import META_ARCH_REGISTRY
 from pet.modeling.roi_heads import build_roi_heads
 from pet.modeling.rpn import build_rpn
-from pet.modeling.weights import convert_state_dict
+from pet.modeling.state_dict_names import convert_state_dict
 from pet.utils.timers import timed
 
 __all__ = ["FasterRCNN"]

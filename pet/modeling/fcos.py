@@ -10,13 +10,12 @@ entry of ``DENSE_HEAD_REGISTRY``.
 """
 from __future__ import annotations
 
-import torch
 from fvcore.common.config import CfgNode
 from torchvision.models.detection import fcos as tv_fcos
 from torchvision.models.detection.anchor_utils import AnchorGenerator
 
-from pet.modeling.backbone import build_backbone, fpn_strides
-from pet.modeling.one_stage import OneStageDetector
+from pet.modeling.backbone import fpn_strides
+from pet.modeling.one_stage import OneStageDetector, torchvision_args
 from pet.modeling.registry import DENSE_HEAD_REGISTRY, META_ARCH_REGISTRY
 
 __all__ = ["FCOS", "FCOSHead"]
@@ -36,37 +35,17 @@ class FCOS(OneStageDetector, tv_fcos.FCOS):
     """One-stage anchor-free detector following Pet's batch contract (see FasterRCNN).
 
     Training mode returns the losses ``loss_classification``, ``loss_bbox_regression`` and
-    ``loss_bbox_ctrness``; eval mode returns per-image ``{"boxes", "scores", "labels"}`` with boxes
-    in original-image pixels.
+    ``loss_bbox_ctrness`` (points matched to boxes by centre sampling and the per-level size ranges);
+    eval mode returns per-image ``{"boxes", "scores", "labels"}`` with boxes in original-image pixels.
     """
 
+    loss_takes_anchors_per_level = True
+
     def __init__(self, cfg: CfgNode) -> None:
-        fcos = cfg.MODEL.FCOS
-        backbone = build_backbone(cfg)
         # One square "anchor" per cell as large as its level's stride (torchvision's 8..128 on P3-P7):
         # compute_loss gives each box to the level whose 4x-8x stride range holds its regression distances.
         strides = fpn_strides(cfg)
         anchors = AnchorGenerator(tuple((s,) for s in strides), ((1.0,),) * len(strides))
-        num_classes = cfg.MODEL.NUM_CLASSES + 1  # like torchvision's COCO model, see one_stage._without_background
-        super().__init__(
-            backbone,
-            num_classes,
-            anchor_generator=anchors,
-            head=DENSE_HEAD_REGISTRY.get(fcos.HEAD_NAME)(cfg, backbone.out_channels, 1, num_classes),
-            center_sampling_radius=fcos.CENTER_SAMPLING_RADIUS,
-            score_thresh=fcos.SCORE_THRESH_TEST,
-            nms_thresh=fcos.NMS_THRESH_TEST,
-            detections_per_img=fcos.DETECTIONS_PER_IMAGE,
-            topk_candidates=fcos.TOPK_CANDIDATES,
-        )
+        fcos = cfg.MODEL.FCOS
+        super().__init__(**torchvision_args(cfg, fcos, anchors), center_sampling_radius=fcos.CENTER_SAMPLING_RADIUS)
         self.use_pet_inputs(cfg)
-
-    def losses(
-        self,
-        targets: list[dict[str, torch.Tensor]],
-        head_outputs: dict[str, torch.Tensor],
-        anchors: list[torch.Tensor],
-        num_anchors_per_level: list[int],
-    ) -> dict[str, torch.Tensor]:
-        """torchvision's: points matched to boxes by centre sampling and the per-level size ranges."""
-        return self.compute_loss(targets, head_outputs, anchors, num_anchors_per_level)

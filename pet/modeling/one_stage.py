@@ -1,4 +1,4 @@
-"""The forward pass shared by Pet's one-stage detectors (RetinaNet, FCOS).
+"""What Pet's one-stage detectors (RetinaNet, FCOS) share: the forward pass and torchvision's constructor arguments.
 
 They subclass torchvision's ``RetinaNet`` / ``FCOS`` for its parts and for its loss and
 post-processing methods (``compute_loss``, ``postprocess_detections``); only ``forward``
@@ -16,21 +16,47 @@ from fvcore.common.config import CfgNode
 from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.image_list import ImageList
 
+from pet.modeling.backbone import build_backbone
 from pet.modeling.postprocess import detections_to_original
 from pet.modeling.preprocess import Normalizer, image_sizes
-from pet.modeling.weights import convert_state_dict
+from pet.modeling.registry import DENSE_HEAD_REGISTRY
+from pet.modeling.state_dict_names import convert_state_dict
 from pet.utils.timers import timed
 
-__all__ = ["OneStageDetector"]
+__all__ = ["OneStageDetector", "torchvision_args"]
+
+
+def torchvision_args(cfg: CfgNode, node: CfgNode, anchors: AnchorGenerator) -> dict[str, Any]:
+    """The constructor arguments torchvision's ``RetinaNet`` and ``FCOS`` share, from the detector's config
+    ``node`` (``MODEL.RETINANET`` / ``MODEL.FCOS``): the backbone, ``anchors``, the ``node.HEAD_NAME`` dense head
+    and the test-time thresholds. Each detector adds its own (IoU thresholds, centre sampling).
+
+    The head has ``NUM_CLASSES + 1`` outputs, like torchvision's COCO models (see :func:`_without_background`).
+    """
+    backbone = build_backbone(cfg)
+    num_classes = cfg.MODEL.NUM_CLASSES + 1
+    head = DENSE_HEAD_REGISTRY.get(node.HEAD_NAME)(cfg, backbone.out_channels,
+                                                   anchors.num_anchors_per_location()[0], num_classes)
+    return {
+        "backbone": backbone,
+        "num_classes": num_classes,
+        "anchor_generator": anchors,
+        "head": head,
+        "score_thresh": node.SCORE_THRESH_TEST,
+        "nms_thresh": node.NMS_THRESH_TEST,
+        "detections_per_img": node.DETECTIONS_PER_IMAGE,
+        "topk_candidates": node.TOPK_CANDIDATES,
+    }
 
 
 class OneStageDetector:
     """Mixin listed before torchvision's detector class: ``forward(images, targets)`` in Pet's
     batch contract (see :class:`pet.modeling.FasterRCNN`) on top of torchvision's methods.
 
-    Subclasses call :meth:`use_pet_inputs` and define :meth:`losses`; torchvision's ``__init__`` sets
-    ``backbone``, ``anchor_generator`` and ``head``. The test-time timers are ``backbone``,
-    ``head`` (the head's convolutions and the anchors they refer to) and ``postprocess``.
+    Subclasses pass :func:`torchvision_args` to torchvision's ``__init__`` (which sets ``backbone``,
+    ``anchor_generator`` and ``head``), then call :meth:`use_pet_inputs`. Training uses torchvision's
+    ``compute_loss``. The test-time timers are ``backbone``, ``head`` (the head's convolutions and the
+    anchors they refer to) and ``postprocess``.
     """
 
     normalizer: Normalizer
@@ -41,6 +67,9 @@ class OneStageDetector:
 
     # Used by the weight loaders to rename torchvision classification weights.
     convert_state_dict = staticmethod(convert_state_dict)
+    # torchvision's FCOS.compute_loss also takes the number of anchors of each level (its size ranges are per
+    # level); RetinaNet's does not.
+    loss_takes_anchors_per_level = False
 
     def use_pet_inputs(self, cfg: CfgNode) -> None:
         """Called at the end of ``__init__``: torchvision's resizing transform goes (the data loader
@@ -49,16 +78,6 @@ class OneStageDetector:
         self.normalizer = Normalizer(cfg)
         if cfg.MODEL.CHANNELS_LAST:
             self.to(memory_format=torch.channels_last)  # type: ignore[attr-defined]
-
-    def losses(
-        self,
-        targets: list[dict[str, torch.Tensor]],
-        head_outputs: dict[str, torch.Tensor],
-        anchors: list[torch.Tensor],
-        num_anchors_per_level: list[int],
-    ) -> dict[str, torch.Tensor]:
-        """The training losses, from torchvision's ``compute_loss``."""
-        raise NotImplementedError
 
     def forward(
         self, images: torch.Tensor, targets: list[dict[str, Any]]
@@ -81,7 +100,8 @@ class OneStageDetector:
         if self.training:
             gt = [{"boxes": t["boxes"], "labels": t["labels"]} for t in targets]
             # torchvision's names with Pet's "loss_" prefix, which writers and curves.png use to find the loss terms
-            losses = self.losses(gt, head_outputs, anchors, num_anchors_per_level)
+            per_level = (num_anchors_per_level,) if self.loss_takes_anchors_per_level else ()
+            losses = self.compute_loss(gt, head_outputs, anchors, *per_level)  # type: ignore[attr-defined]
             return {f"loss_{name}": value for name, value in losses.items()}
         with timed("postprocess"):
             split_outputs = {name: list(out.split(num_anchors_per_level, dim=1)) for name, out in head_outputs.items()}

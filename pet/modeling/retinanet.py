@@ -18,8 +18,8 @@ from fvcore.common.config import CfgNode
 from torchvision.models.detection import retinanet as tv_retinanet
 
 from pet.modeling.anchors import build_anchor_generator
-from pet.modeling.backbone import build_backbone, num_fpn_levels
-from pet.modeling.one_stage import OneStageDetector
+from pet.modeling.backbone import num_fpn_levels
+from pet.modeling.one_stage import OneStageDetector, torchvision_args
 from pet.modeling.registry import DENSE_HEAD_REGISTRY, META_ARCH_REGISTRY
 from pet.utils.errors import ConfigError
 
@@ -39,42 +39,18 @@ class RetinaNetHead(tv_retinanet.RetinaNetHead):
 class RetinaNet(OneStageDetector, tv_retinanet.RetinaNet):
     """One-stage anchor-based detector following Pet's batch contract (see FasterRCNN).
 
-    Training mode returns the losses ``loss_classification`` and ``loss_bbox_regression``; eval mode
-    returns per-image ``{"boxes", "scores", "labels"}`` with boxes in original-image pixels.
+    Training mode returns the losses ``loss_classification`` and ``loss_bbox_regression`` (anchors matched
+    to boxes by IoU: ``FG_IOU_THRESH`` / ``BG_IOU_THRESH``); eval mode returns per-image
+    ``{"boxes", "scores", "labels"}`` with boxes in original-image pixels.
     """
 
     def __init__(self, cfg: CfgNode) -> None:
         retina = cfg.MODEL.RETINANET
-        backbone = build_backbone(cfg)
         anchors = build_anchor_generator(retina.ANCHOR_SIZES, retina.ASPECT_RATIOS, num_fpn_levels(cfg),
                                          "MODEL.RETINANET.ANCHOR_SIZES")
-        # NUM_CLASSES + 1 outputs like torchvision's COCO model, see pet.modeling.one_stage._without_background.
-        num_classes = cfg.MODEL.NUM_CLASSES + 1
-        head = DENSE_HEAD_REGISTRY.get(retina.HEAD_NAME)(cfg, backbone.out_channels,
-                                                         anchors.num_anchors_per_location()[0], num_classes)
-        super().__init__(
-            backbone,
-            num_classes,
-            anchor_generator=anchors,
-            head=head,
-            score_thresh=retina.SCORE_THRESH_TEST,
-            nms_thresh=retina.NMS_THRESH_TEST,
-            detections_per_img=retina.DETECTIONS_PER_IMAGE,
-            fg_iou_thresh=retina.FG_IOU_THRESH,
-            bg_iou_thresh=retina.BG_IOU_THRESH,
-            topk_candidates=retina.TOPK_CANDIDATES,
-        )
+        super().__init__(**torchvision_args(cfg, retina, anchors), fg_iou_thresh=retina.FG_IOU_THRESH,
+                         bg_iou_thresh=retina.BG_IOU_THRESH)
         self.use_pet_inputs(cfg)
-
-    def losses(
-        self,
-        targets: list[dict[str, torch.Tensor]],
-        head_outputs: dict[str, torch.Tensor],
-        anchors: list[torch.Tensor],
-        num_anchors_per_level: list[int],
-    ) -> dict[str, torch.Tensor]:
-        """torchvision's: anchors matched to boxes by IoU (``FG_IOU_THRESH`` / ``BG_IOU_THRESH``)."""
-        return self.compute_loss(targets, head_outputs, anchors)
 
 
 def _head_norm(name: str) -> Callable[[int], torch.nn.Module] | None:

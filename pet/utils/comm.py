@@ -57,18 +57,30 @@ def reduce_scalars(
     values: dict[str, float], *, average: bool = True, maximum: tuple[str, ...] = ()
 ) -> dict[str, float]:
     """Reduce a dict of floats over processes: mean (or sum) by default, max for names in ``maximum``."""
-    if get_world_size() == 1 or not values:
-        return values
+    return reduce_scalars_with_flag(values, 0, average=average, maximum=maximum)[0]
+
+
+def reduce_scalars_with_flag(
+    values: dict[str, float], flag: int, *, average: bool = True, maximum: tuple[str, ...] = ()
+) -> tuple[dict[str, float], int]:
+    """:func:`reduce_scalars`, plus the largest ``flag`` (an int >= 0) of any process, in the same collectives.
+
+    The train step uses it so every process learns, from the reduction it does anyway,
+    whether any of them was asked to stop (the flag is a signal number, 0 for none).
+    """
+    if get_world_size() == 1:
+        return values, flag
     names = sorted(values)
-    tensor = torch.tensor([values[n] for n in names], dtype=torch.float64, device=collective_device())
+    tensor = torch.tensor([*(values[n] for n in names), float(flag)], dtype=torch.float64,
+                          device=collective_device())
     summed = tensor.clone()
     dist.all_reduce(summed)
     if average:
         summed /= get_world_size()
     result = dict(zip(names, summed.tolist()))
-    if maximum:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        for name, value in zip(names, tensor.tolist()):
-            if name in maximum:
-                result[name] = value
-    return result
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    largest = tensor.tolist()
+    for name, value in zip(names, largest):
+        if name in maximum:
+            result[name] = value
+    return result, int(largest[-1])

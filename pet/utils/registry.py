@@ -16,7 +16,15 @@ from fvcore.common.registry import Registry as _FvcoreRegistry
 
 from pet.utils.errors import ConfigError
 
-__all__ = ["Registry", "locate", "resolve_spec", "build_from_spec", "META_ARCH_REGISTRY", "EVALUATOR_REGISTRY"]
+__all__ = [
+    "Registry",
+    "locate",
+    "resolve_spec",
+    "build_from_spec",
+    "build_model",
+    "META_ARCH_REGISTRY",
+    "EVALUATOR_REGISTRY",
+]
 
 
 class Registry(_FvcoreRegistry):
@@ -101,3 +109,12 @@ def _accepted_kwargs(cls: Any) -> set[str] | None:
 # them without importing pet.modeling / pet.evaluation (see Registry.default_module).
 META_ARCH_REGISTRY = Registry("meta-architecture", default_module="pet.modeling")
 EVALUATOR_REGISTRY = Registry("evaluator", default_module="pet.evaluation")
+
+
+def build_model(cfg: Any) -> Any:
+    """The detector named by ``MODEL.META_ARCHITECTURE``, built from ``cfg``, on the CPU.
+
+    The one way Pet builds a model (``pet.modeling.build_model`` is this function);
+    :func:`pet.engine.build.prepare_model` then places it on ``DEVICE`` for a run.
+    """
+    return META_ARCH_REGISTRY.get(cfg.MODEL.META_ARCHITECTURE)(cfg)

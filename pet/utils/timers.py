@@ -1,6 +1,6 @@
 """Named timers that model code can open without knowing about the engine.
 
-During testing the active :class:`pet.engine.hooks.TestHook` is registered here, so a
+During testing the active :class:`pet.engine.timing.InferenceTimer` (a TestHook) is registered here, so a
 model can time a part of itself by name::
 
     from pet.utils.timers import timed
@@ -13,7 +13,7 @@ function call and does nothing.
 
 On GPU, kernels run asynchronously: ``timed`` calls the owner's ``wait()`` before it
 starts and before it stops the timer, so the figure covers the block's own GPU work
-(not work queued before it, nor only the kernel launches). ``TestHook.wait`` synchronises
+(not work queued before it, nor only the kernel launches). ``InferenceTimer.wait`` synchronises
 only when the model is on CUDA, so on CPU this costs nothing.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Pictures a researcher looks at: training curves from metrics.json, detections over images."""
+"""Pictures a researcher looks at: training curves from metrics.json, detections over images, evaluation diagnostics."""
 from __future__ import annotations
 
 import os
@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-__all__ = ["plot_training_curves", "draw_detections"]
+__all__ = ["plot_training_curves", "draw_detections", "plot_pr_curves", "plot_confusion_matrix", "plot_error_breakdown"]
 
 _LINESTYLES = ("-", "--", ":", "-.")
 
@@ -98,3 +98,94 @@ def draw_detections(
 def _class_color(label: str) -> tuple[int, int, int]:
     """A tab10 colour fixed by the class name, so a class looks the same in every picture."""
     return tuple(int(255 * c) for c in plt.get_cmap("tab10")(zlib.crc32(label.encode()) % 10)[:3])
+
+
+def plot_pr_curves(classes: Sequence[dict], recall: Sequence[float], out_png: str, title: str = "") -> str:
+    """Precision against recall at IoU 0.5 (left) and averaged over IoU 0.5:0.95 (right): one thin line per
+    class and the mean over classes in black.
+
+    ``classes`` are the entries of :func:`pet.evaluation.diagnostics.pr_curves` (``name``, ``AP50``,
+    ``AP``, ``precision_iou50``, ``precision_iou50_95``; ``None`` curves for a class without ground
+    truth, which is left out). The legend names each class with its AP while there are at most 20;
+    past that the JSON next to the picture holds the per-class numbers. Returns ``out_png``.
+    """
+    scored = [c for c in classes if c["precision_iou50"] is not None]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True)
+    colors = plt.get_cmap("tab20" if len(scored) > 10 else "tab10").colors
+    for ax, key, ap_key, name in ((axes[0], "precision_iou50", "AP50", "IoU 0.5"),
+                                  (axes[1], "precision_iou50_95", "AP", "IoU 0.5:0.95")):
+        for i, c in enumerate(scored):
+            ax.plot(recall, c[key], color=colors[i % len(colors)], linewidth=1.0, alpha=0.8,
+                    label=f"{c['name']} {c[ap_key]:.1f}")
+        if scored:
+            mean = np.mean([c[key] for c in scored], axis=0)
+            ax.plot(recall, mean, color="black", linewidth=2.2, label=f"mean {mean.mean() * 100:.1f}")
+        ax.set_title(f"{title} {name} ({ap_key} per class in the legend)".strip(), fontsize=9)
+        ax.set_xlabel("recall")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        if len(scored) <= 20:
+            ax.legend(fontsize=7, loc="lower left")
+    axes[0].set_ylabel("precision (interpolated, as COCO)")
+    return _save(fig, out_png)
+
+
+def plot_confusion_matrix(matrix: np.ndarray, labels: Sequence[str], out_png: str, title: str = "") -> str:
+    """Ground truth (rows) against prediction (columns), coloured by the share of each row, counts written in.
+
+    ``labels`` name the rows and columns (the last is background). Counts are written in the cells
+    while there are at most 30 labels; the picture stays under 1600 pixels a side. Returns ``out_png``.
+    """
+    matrix = np.asarray(matrix)
+    shares = matrix / np.maximum(matrix.sum(axis=1, keepdims=True), 1)
+    size = min(15.0, max(4.0, 0.42 * len(labels) + 2.0))
+    fontsize = 8 if len(labels) <= 30 else 5
+    fig, ax = plt.subplots(figsize=(size + 1.0, size))
+    image = ax.imshow(shares, cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="share of the row")
+    ticks = np.arange(len(labels))
+    ax.set_xticks(ticks, labels, rotation=90 if len(labels) > 8 else 45, ha="center" if len(labels) > 8 else "right",
+                  fontsize=fontsize)
+    ax.set_yticks(ticks, labels, fontsize=fontsize)
+    ax.set_xlabel("prediction (background: missed ground truth)")
+    ax.set_ylabel("ground truth (background: false positives)")
+    if len(labels) <= 30:
+        for (row, col), count in np.ndenumerate(matrix):
+            if count:
+                ax.text(col, row, str(count), ha="center", va="center", fontsize=7,
+                        color="white" if shares[row, col] > 0.5 else "black")
+    ax.set_title(title, fontsize=10)
+    return _save(fig, out_png)
+
+
+def plot_error_breakdown(delta_ap: dict[str, float], counts: dict[str, int], out_png: str, title: str = "") -> str:
+    """Two bar charts: AP points gained by fixing each error type, and how many detections (and missed
+    ground truth) fall in each outcome. Returns ``out_png``."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
+    names = list(delta_ap)
+    left.barh(names, [delta_ap[n] for n in names], color="C3")
+    left.invert_yaxis()
+    left.set_xlabel("AP gained by fixing it (dAP, points)")
+    for y, name in enumerate(names):
+        left.text(delta_ap[name], y, f" {delta_ap[name]:.2f}", va="center", fontsize=8)
+    outcomes = list(counts)
+    right.barh(outcomes, [counts[n] for n in outcomes],
+               color=["C2" if n == "true_positive" else "C7" if n == "missed" else "C3" for n in outcomes])
+    right.invert_yaxis()
+    right.set_xlabel("count")
+    for y, name in enumerate(outcomes):
+        right.text(counts[name], y, f" {counts[name]}", va="center", fontsize=8)
+    for ax in (left, right):
+        ax.grid(axis="x", alpha=0.3)
+        ax.margins(x=0.15)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, out_png)
+
+
+def _save(fig: plt.Figure, out_png: str) -> str:
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png

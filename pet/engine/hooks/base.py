@@ -14,13 +14,17 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from enum import IntEnum
-from typing import Any
+from typing import Any, Protocol
 
+import torch
+from fvcore.common.config import CfgNode
+
+from pet.engine.events import EventStorage
 from pet.utils.errors import ConfigError
 from pet.utils.registry import Registry
 from pet.utils.table import format_table
 
-__all__ = ["Priority", "get_priority", "TrainHook", "HOOKS", "HookDispatcher", "MOUNT_POINTS"]
+__all__ = ["Priority", "get_priority", "TrainHook", "TrainerLike", "HOOKS", "HookDispatcher", "MOUNT_POINTS"]
 
 HOOKS = Registry("hook")
 HOOKS.__doc__ = "Hook classes by name, for HOOKS.CUSTOM / TEST.HOOKS entries in YAML."
@@ -69,6 +73,43 @@ MOUNT_POINTS = (
 )
 
 
+class TrainerLike(Protocol):
+    """What a hook may rely on in ``trainer`` (:class:`pet.engine.trainer.Trainer` has all of it).
+
+    ``iter`` and ``storage.iter`` are one counter: the 1-based number of the current
+    iteration inside a step, the number of iterations completed outside one (so
+    ``start_iter`` in ``before_train``, and after a failure the last completed one).
+    ``epoch`` is the 0-based index of the current epoch. ``stop_training``: set it to end
+    the run cleanly after this step (validation and the final checkpoint still happen).
+    """
+
+    cfg: CfgNode
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    data_loader: Any
+    storage: EventStorage
+    device: torch.device
+    output_dir: str
+    hooks: list[TrainHook]
+    iter: int
+    start_iter: int
+    max_iter: int
+    epoch: int
+    max_epochs: int
+    iters_per_epoch: int
+    stop_training: bool
+    last_step_seconds: float
+    last_data_seconds: float
+
+    def call_hooks(self, point: str, **kwargs: Any) -> None: ...
+
+    def checkpoint_state(self) -> dict[str, Any]: ...
+
+    def save_checkpoint(self, filename: str, *, state: dict[str, Any] | None = None, update_last: bool = True,
+                        save_dir: str | None = None) -> str: ...
+
+
 class TrainHook:
     """Base class of training hooks. Every mount point is a no-op by default.
 
@@ -94,10 +135,10 @@ class TrainHook:
         """After each epoch (once, after the last iteration, in iteration mode)."""
 
     def before_step(self, **kwargs: Any) -> None:
-        """Before each iteration; ``trainer.iter`` is its 0-based index."""
+        """Before each iteration; ``trainer.iter`` is its 1-based number."""
 
     def after_step(self, **kwargs: Any) -> None:
-        """After each iteration; ``storage.iter`` (= ``trainer.iter + 1``) is iterations completed."""
+        """After each iteration; ``trainer.iter`` (= ``storage.iter``) is now the number of iterations completed."""
 
     def before_val(self, **kwargs: Any) -> None:
         """Before each validation run."""
@@ -114,14 +155,37 @@ class TrainHook:
     def __repr__(self) -> str:
         return type(self).__name__
 
-    # Helpers for the common "every N" tests; ``trainer.iter`` is the current 0-based index.
+    # "Is this step due?", for every hook: ``trainer.iter`` is the 1-based number of the
+    # current iteration (iterations completed, once after_step runs), as ``storage.iter``.
     @staticmethod
-    def every_n_iters(trainer: Any, n: int) -> bool:
-        return n > 0 and (trainer.iter + 1) % n == 0
+    def every_n_iters(trainer: TrainerLike, n: int) -> bool:
+        """The current iteration is a multiple of ``n`` (never for ``n <= 0``)."""
+        return n > 0 and trainer.iter % n == 0
 
     @staticmethod
-    def is_last_iter(trainer: Any) -> bool:
-        return trainer.iter + 1 >= trainer.max_iter
+    def is_last_iter(trainer: TrainerLike) -> bool:
+        return trainer.iter >= trainer.max_iter
+
+    @staticmethod
+    def is_epoch_end(trainer: TrainerLike) -> bool:
+        """The current iteration ends an epoch (epoch mode only)."""
+        return trainer.iters_per_epoch > 0 and trainer.iter % trainer.iters_per_epoch == 0
+
+    @staticmethod
+    def epochs_completed(trainer: TrainerLike) -> int:
+        """Whole epochs completed when the current iteration ends (0 in iteration mode)."""
+        return trainer.iter // trainer.iters_per_epoch if trainer.iters_per_epoch > 0 else 0
+
+    @classmethod
+    def every_n_epochs(cls, trainer: TrainerLike, n: int) -> bool:
+        """The current iteration ends an epoch whose number is a multiple of ``n``."""
+        return n > 0 and cls.is_epoch_end(trainer) and cls.epochs_completed(trainer) % n == 0
+
+    @staticmethod
+    def finished(trainer: TrainerLike) -> bool:
+        """In ``after_train``: the run ended as planned (all iterations, or a hook's ``stop_training``),
+        not by an error or a signal."""
+        return trainer.stop_training or trainer.iter >= trainer.max_iter
 
 
 class HookDispatcher:

@@ -12,12 +12,15 @@ import torch
 from fvcore.common.config import CfgNode
 from fvcore.nn.precise_bn import get_bn_modules, update_bn_stats
 
-from pet.engine.events import EventStorage, EventWriter, read_metrics
-from pet.engine.hooks.base import HOOKS, Priority, TrainHook
+from pet.data import build_train_loader
+from pet.engine.common import call_model
+from pet.engine.events import EventStorage, EventWriter, build_writers
+from pet.engine.hooks.base import HOOKS, Priority, TrainerLike, TrainHook
+from pet.utils import comm
 from pet.utils.errors import ConfigError
 from pet.utils.tensor import move_to_device
 
-__all__ = ["PeriodicWriter", "IterationTimer", "LRScheduler", "PreciseBN", "TrainingCurves"]
+__all__ = ["PeriodicWriter", "IterationTimer", "LRScheduler", "PreciseBN"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +34,8 @@ class PeriodicWriter(TrainHook):
     """Hands the storage to every writer each ``period`` iterations and after the last one.
 
     Runs after the hooks that put values in a step (timer, lr, evaluation) so a write
-    sees that step complete. Writers are closed in ``after_train``, also on failure.
+    sees that step complete. Writers are closed in ``after_train``, also on failure, each even when
+    another fails.
     ``writers`` may be a function ``trainer -> writers``, called in ``before_train``
     once a resume has fixed ``trainer.start_iter`` (writers use it to continue their files).
     """
@@ -48,24 +52,43 @@ class PeriodicWriter(TrainHook):
         self.period = period
         self._last_written = -1
 
-    def before_train(self, trainer: Any, **kwargs: Any) -> None:
+    @classmethod
+    def from_config(cls, cfg: CfgNode, trainer: TrainerLike) -> PeriodicWriter | None:
+        """The terminal, metrics.json, TensorBoard and ``TRAIN.WRITERS`` writers, on the main process."""
+        if not comm.is_main_process():
+            return None
+        return cls(lambda t: build_writers(cfg, t.max_iter, t.start_iter), period=cfg.DISPLAY_ITER)
+
+    def before_train(self, trainer: TrainerLike, **kwargs: Any) -> None:
         if self._writers_fn is not None:
             os.makedirs(trainer.output_dir, exist_ok=True)
             self.writers = list(self._writers_fn(trainer))
 
-    def after_step(self, trainer: Any, storage: EventStorage, **kwargs: Any) -> None:
+    def after_step(self, trainer: TrainerLike, storage: EventStorage, **kwargs: Any) -> None:
         if self.every_n_iters(trainer, self.period) or self.is_last_iter(trainer):
             self._write(trainer, storage)
 
-    def after_train(self, trainer: Any, storage: EventStorage, **kwargs: Any) -> None:
+    def after_train(self, trainer: TrainerLike, storage: EventStorage, **kwargs: Any) -> None:
         try:
             if storage.iter > self._last_written and storage.iter > trainer.start_iter:
                 self._write(trainer, storage)  # a run stopped early still logs its last state
         finally:
-            for writer in self.writers:
-                writer.close()
+            self._close_all()
 
-    def _write(self, trainer: Any, storage: EventStorage) -> None:
+    def _close_all(self) -> None:
+        """Close every writer, even when one fails (a tracker after it still ends its run); then raise the first
+        failure."""
+        failures = []
+        for writer in self.writers:
+            try:
+                writer.close()
+            except Exception as exc:  # noqa: BLE001 - reported below, after the other writers closed
+                logger.error(f"Closing {type(writer).__name__} failed: {type(exc).__name__}: {exc}")
+                failures.append(exc)
+        if failures:
+            raise failures[0]
+
+    def _write(self, trainer: TrainerLike, storage: EventStorage) -> None:
         for writer in self.writers:
             writer.write(trainer=trainer, storage=storage)
         self._last_written = storage.iter
@@ -86,6 +109,10 @@ class IterationTimer(TrainHook):
         self.warmup_iter = warmup_iter
         self._elapsed_before_resume = 0.0
 
+    @classmethod
+    def from_config(cls, cfg: CfgNode, trainer: TrainerLike) -> IterationTimer:
+        return cls()
+
     def before_train(self, **kwargs: Any) -> None:
         self._start = time.perf_counter()
         self._steps = 0
@@ -93,7 +120,7 @@ class IterationTimer(TrainHook):
         self._timed_seconds = 0.0
         self._timed_steps = 0
 
-    def after_step(self, trainer: Any, storage: EventStorage, **kwargs: Any) -> None:
+    def after_step(self, trainer: TrainerLike, storage: EventStorage, **kwargs: Any) -> None:
         seconds = trainer.last_step_seconds
         self._steps += 1
         self._all_step_seconds += seconds
@@ -139,7 +166,11 @@ class LRScheduler(TrainHook):
         self._optimizer = optimizer
         self._scheduler = scheduler
 
-    def before_train(self, trainer: Any, **kwargs: Any) -> None:
+    @classmethod
+    def from_config(cls, cfg: CfgNode, trainer: TrainerLike) -> LRScheduler:
+        return cls()
+
+    def before_train(self, trainer: TrainerLike, **kwargs: Any) -> None:
         self._optimizer = self._optimizer or trainer.optimizer
         self._scheduler = self._scheduler or trainer.scheduler
         groups = self._optimizer.param_groups
@@ -159,11 +190,7 @@ class _CallWithBatch(torch.nn.Module):
         self.model = model
 
     def forward(self, batch: Any) -> Any:
-        if isinstance(batch, dict):
-            return self.model(**batch)
-        if isinstance(batch, (tuple, list)):
-            return self.model(*batch)
-        return self.model(batch)
+        return call_model(self.model, batch)
 
 
 @HOOKS.register()
@@ -203,23 +230,24 @@ class PreciseBN(TrainHook):
         self._disabled = False
 
     @classmethod
-    def from_config(cls, cfg: CfgNode) -> PreciseBN:
-        """``TEST.PRECISE_BN`` settings, drawing from a second loader over ``TRAIN.DATASETS`` (as detectron2 does).
-
-        The loader is built at the first update, not here, so a run that never gets there
-        pays nothing. A Trainer given its own ``data_loader`` should register
-        ``PreciseBN(data_loader_fn=...)`` itself to estimate on that data.
-        """
+    def from_config(cls, cfg: CfgNode, trainer: TrainerLike) -> PreciseBN | None:
+        """``TEST.PRECISE_BN`` settings. The batches come from the trainer's loader when the caller gave
+        the trainer one (their data, their model's batch format); else from a second loader over
+        ``TRAIN.DATASETS``, as detectron2 does, built at the first update so a run that never
+        gets there pays nothing."""
+        settings = cfg.TEST.PRECISE_BN
+        if not settings.ENABLED:
+            return None
+        if not getattr(trainer, "data_loader_from_cfg", True):
+            return cls(settings.PERIOD, settings.NUM_ITER)
 
         def build_loader() -> Iterable[Any]:
-            from pet.data import build_train_loader  # lazily, as the trainer does: the engine never needs it otherwise
-
             logger.info(f"PreciseBN draws its batches from a separate loader over {list(cfg.TRAIN.DATASETS)}.")
             return build_train_loader(cfg)
 
-        return cls(cfg.TEST.PRECISE_BN.PERIOD, cfg.TEST.PRECISE_BN.NUM_ITER, build_loader)
+        return cls(settings.PERIOD, settings.NUM_ITER, build_loader)
 
-    def before_train(self, trainer: Any, **kwargs: Any) -> None:
+    def before_train(self, trainer: TrainerLike, **kwargs: Any) -> None:
         if not get_bn_modules(trainer.model):
             logger.info("PreciseBN is disabled: the model has no BatchNorm layer in training mode.")
             self._disabled = True
@@ -230,13 +258,13 @@ class PreciseBN(TrainHook):
                 "builds a separate training loader)."
             )
 
-    def after_step(self, trainer: Any, **kwargs: Any) -> None:
+    def after_step(self, trainer: TrainerLike, **kwargs: Any) -> None:
         if self._disabled:
             return
         if self.every_n_iters(trainer, self.period) or self.is_last_iter(trainer):
             self.update_stats(trainer)
 
-    def update_stats(self, trainer: Any) -> None:
+    def update_stats(self, trainer: TrainerLike) -> None:
         """Run ``num_iter`` batches through the model in training mode, without gradients."""
         device = trainer.device
         batches = (move_to_device(batch, device) for batch in self._next_batches(trainer))
@@ -249,7 +277,7 @@ class PreciseBN(TrainHook):
     def load_state_dict(self, state: dict[str, int]) -> None:
         self._batches_drawn = int(state.get("batches_drawn", 0))
 
-    def _next_batches(self, trainer: Any) -> Iterator[Any]:
+    def _next_batches(self, trainer: TrainerLike) -> Iterator[Any]:
         if self._loader is None and self._data_loader_fn is None:
             self._loader = trainer.data_loader  # the trainer positions it on resume; leave that alone
         elif self._loader is None:
@@ -272,30 +300,3 @@ class PreciseBN(TrainHook):
         except TypeError:  # an infinite loader has no length
             position = self._batches_drawn
         self._loader.set_start_iter(position)
-
-
-@HOOKS.register()
-class TrainingCurves(TrainHook):
-    """Draws ``curves.png`` (losses, lr, validation AP against iteration) from ``metrics.json`` after training.
-
-    Runs last, after the writers have flushed; also after a failed or stopped run, so
-    the picture shows how far it got. ``tools/plot_metrics.py`` redraws it any time.
-    """
-
-    priority = Priority.LOWEST
-
-    def __init__(self, output_dir: str, filename: str = "curves.png") -> None:
-        self.output_dir = output_dir
-        self.filename = filename
-
-    def after_train(self, **kwargs: Any) -> None:
-        from pet.utils.visualization import plot_training_curves
-
-        metrics = os.path.join(self.output_dir, "metrics.json")
-        if not os.path.isfile(metrics):
-            return
-        records = read_metrics(metrics)
-        if records:
-            out = plot_training_curves([records], os.path.join(self.output_dir, self.filename),
-                                       [os.path.basename(os.path.normpath(self.output_dir))])
-            logger.info(f"Training curves: {out}")

@@ -5,8 +5,11 @@ import logging
 import math
 from typing import Any
 
-from pet.engine.hooks.base import HOOKS, Priority, TrainHook
-from pet.engine.hooks.evaluation import EvalHook, is_better, metric_rule
+from fvcore.common.config import CfgNode
+
+from pet.engine.common import is_better, metric_rule
+from pet.engine.hooks.base import HOOKS, Priority, TrainerLike, TrainHook
+from pet.engine.hooks.evaluation import EvalHook
 from pet.utils.errors import ConfigError
 
 __all__ = ["EarlyStoppingHook"]
@@ -56,7 +59,14 @@ class EarlyStoppingHook(TrainHook):
         self.wait = 0
         self.stop_reason = ""  # "", "patience", "threshold" or "nonfinite"
 
-    def before_train(self, trainer: Any, **kwargs: Any) -> None:
+    @classmethod
+    def from_config(cls, cfg: CfgNode, trainer: TrainerLike) -> EarlyStoppingHook | None:
+        e = cfg.HOOKS.EARLY_STOPPING
+        if not e.ENABLED:
+            return None
+        return cls(e.MONITOR, e.RULE, e.MIN_DELTA, e.PATIENCE, e.STOPPING_THRESHOLD, e.CHECK_FINITE, e.STRICT)
+
+    def before_train(self, trainer: TrainerLike, **kwargs: Any) -> None:
         if not any(isinstance(hook, EvalHook) for hook in trainer.hooks):
             logger.warning("EarlyStoppingHook has no EvalHook to watch: set TEST.EVAL_PERIOD > 0")
         if self.stop_reason and self._still_stopped():
@@ -66,7 +76,7 @@ class EarlyStoppingHook(TrainHook):
         else:
             self.stop_reason = ""
 
-    def after_val(self, trainer: Any, metrics: dict[str, float], **kwargs: Any) -> None:
+    def after_val(self, trainer: TrainerLike, metrics: dict[str, float], **kwargs: Any) -> None:
         if self.monitor not in metrics:
             message = (f"EarlyStoppingHook: '{self.monitor}' is not among the validation metrics "
                        f"({', '.join(metrics) or 'none'})")
@@ -102,10 +112,10 @@ class EarlyStoppingHook(TrainHook):
             return self._reached_threshold()
         return self.check_finite
 
-    def _stop(self, trainer: Any, reason: str, message: str) -> None:
+    def _stop(self, trainer: TrainerLike, reason: str, message: str) -> None:
         self.stop_reason = reason
         trainer.stop_training = True
-        logger.info(f"Early stopping after iteration {trainer.completed_iters}: {message}")
+        logger.info(f"Early stopping after iteration {trainer.iter}: {message}")
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "wait": self.wait, "stop_reason": self.stop_reason}

@@ -6,9 +6,10 @@ import math
 from typing import Any
 
 import torch
+from fvcore.common.config import CfgNode
 
-from pet.engine.checkpoint import unwrap_model
-from pet.engine.hooks.base import HOOKS, Priority, TrainHook
+from pet.engine.common import unwrap_model
+from pet.engine.hooks.base import HOOKS, Priority, TrainerLike, TrainHook
 from pet.utils.errors import ConfigError
 
 __all__ = ["EMAHook"]
@@ -20,7 +21,7 @@ logger = logging.getLogger(__name__)
 class EMAHook(TrainHook):
     """Keeps ``ema = (1 - m) * ema + m * weights`` of every floating-point parameter.
 
-    The average is updated after every ``interval``-th iteration, from iteration
+    The average is updated after every ``period``-th iteration, from iteration
     ``begin_iter`` (1-based; 0 or 1: from the first) or epoch ``begin_epoch`` (1-based,
     epoch mode); before that it is a plain copy of the weights. With ``anneal_iters`` > 0
     the momentum starts near 1 and decays to ``momentum``:
@@ -40,17 +41,17 @@ class EMAHook(TrainHook):
     def __init__(
         self,
         momentum: float = 0.0002,
-        interval: int = 1,
+        period: int = 1,
         begin_iter: int = 0,
         begin_epoch: int = 0,
         anneal_iters: int = 0,
     ) -> None:
         if not 0.0 < momentum <= 1.0:
             raise ConfigError(f"HOOKS.EMA.MOMENTUM must be in (0, 1], got {momentum}")
-        if interval < 1:
-            raise ConfigError(f"HOOKS.EMA.INTERVAL must be >= 1, got {interval}")
+        if period < 1:
+            raise ConfigError(f"HOOKS.EMA.PERIOD must be >= 1, got {period}")
         self.momentum = momentum
-        self.interval = interval
+        self.period = period
         self.begin_iter = begin_iter
         self.begin_epoch = begin_epoch
         self.anneal_iters = anneal_iters
@@ -59,6 +60,11 @@ class EMAHook(TrainHook):
         self._index: dict[str, int] = {}  # state_dict name (tied weights: every alias) -> position
         self._ema: list[torch.Tensor] | None = None
         self._stash: list[torch.Tensor] | None = None
+
+    @classmethod
+    def from_config(cls, cfg: CfgNode, trainer: TrainerLike) -> EMAHook | None:
+        e = cfg.HOOKS.EMA
+        return cls(e.MOMENTUM, e.PERIOD, e.BEGIN_ITER, e.BEGIN_EPOCH, e.ANNEAL_ITERS) if e.ENABLED else None
 
     # ------------------------------------------------------------------ the average
     def momentum_at(self, steps: int) -> float:
@@ -72,7 +78,7 @@ class EMAHook(TrainHook):
         assert self._ema is not None, "EMAHook has not seen the model yet"
         return {name: self._ema[i] for name, i in self._index.items()}
 
-    def _setup(self, trainer: Any) -> None:
+    def _setup(self, trainer: TrainerLike) -> None:
         if self._ema is not None:
             return
         positions: dict[int, int] = {}
@@ -85,22 +91,22 @@ class EMAHook(TrainHook):
         with torch.no_grad():
             self._ema = [p.detach().clone() for p in self._params]
 
-    def _started(self, trainer: Any) -> bool:
+    def _started(self, trainer: TrainerLike) -> bool:
         if self.begin_epoch > 0 and trainer.epoch + 1 < self.begin_epoch:
             return False
-        return trainer.iter + 1 >= self.begin_iter
+        return trainer.iter >= self.begin_iter
 
     # ------------------------------------------------------------------ mount points
-    def before_train(self, trainer: Any, **kwargs: Any) -> None:
+    def before_train(self, trainer: TrainerLike, **kwargs: Any) -> None:
         if self.begin_epoch > 0 and trainer.max_epochs <= 0:
             raise ConfigError("HOOKS.EMA.BEGIN_EPOCH needs epoch mode (SOLVER.MAX_EPOCHS > 0); use BEGIN_ITER")
         self._setup(trainer)
 
     @torch.no_grad()
-    def after_step(self, trainer: Any, **kwargs: Any) -> None:
+    def after_step(self, trainer: TrainerLike, **kwargs: Any) -> None:
         if not self._started(trainer):
             torch._foreach_copy_(self._ema, self._params)
-        elif (trainer.iter + 1) % self.interval == 0:
+        elif self.every_n_iters(trainer, self.period):
             torch._foreach_lerp_(self._ema, self._params, self.momentum_at(self.steps))
             self.steps += 1
 
@@ -131,7 +137,7 @@ class EMAHook(TrainHook):
         checkpoint["model"], checkpoint["model_raw"] = averaged, raw
 
     @torch.no_grad()
-    def after_load_checkpoint(self, trainer: Any, checkpoint: dict[str, Any], **kwargs: Any) -> None:
+    def after_load_checkpoint(self, trainer: TrainerLike, checkpoint: dict[str, Any], **kwargs: Any) -> None:
         self._setup(trainer)  # the model holds the raw weights now (the trainer loads "model_raw")
         if "model_raw" not in checkpoint:
             logger.info("The checkpoint has no averaged weights: the EMA starts from the loaded weights")

@@ -1,97 +1,37 @@
-"""EvalHook: periodic validation whose metrics every hook and writer sees in the same step.
-
-Also home of :func:`metric_rule`, which decides whether a larger or a smaller value of a
-metric is better (shared by CheckpointHook's SAVE_BEST and EarlyStoppingHook).
-"""
+"""EvalHook: periodic validation whose metrics every hook and writer sees in the same step."""
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 import os
-import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
+from fvcore.common.config import CfgNode
 
-from pet.engine.checkpoint import unwrap_model
-from pet.engine.hooks.base import HOOKS, Priority, TrainHook
+from pet.data.build import per_process_batch_size
+from pet.engine.common import flatten_metrics, unwrap_model
+from pet.engine.hooks.base import HOOKS, Priority, TrainerLike, TrainHook
+from pet.engine.inference import evaluate_on_datasets
 from pet.utils import comm
-from pet.utils.errors import ConfigError, TrainingError
 
-__all__ = ["EvalHook", "metric_rule", "is_better", "default_eval_function"]
+__all__ = ["EvalHook", "default_eval_function"]
 
 logger = logging.getLogger(__name__)
 
-# Tokens of a metric name (split on "/", "_", "@", ...) that mean "larger is better":
-# AP, AP50, APs, mAP, AR, AR100, ARl, acc, top1, precision, recall, (m)IoU, AUC, F1, dice.
-_GREATER = re.compile(r"^(m?ap(\d+|[sml])?|ar(\d+|[sml])?|m?acc\w*|top\d*|precision|recall|m?iou|auc|f1|m?dice)$")
 
-
-def metric_rule(metric: str, rule: str = "", key: str = "RULE") -> str:
-    """``"greater"`` or ``"less"``: ``rule`` when given, else inferred from the name of ``metric``.
-
-    Names with "loss" are "less"; AP/mAP/AR/acc/top/precision/recall/IoU names are
-    "greater"; anything else is a :class:`ConfigError` asking for ``key`` to be set.
-    """
-    rule = (rule or "").lower()
-    if rule in ("greater", "less"):
-        return rule
-    if rule:
-        raise ConfigError(f"{key} must be 'greater', 'less' or empty (inferred from the metric name), got {rule!r}")
-    if "loss" in metric.lower():
-        return "less"
-    if any(_GREATER.match(token) for token in re.split(r"[^a-z0-9]+", metric.lower()) if token):
-        return "greater"
-    raise ConfigError(
-        f"Cannot tell whether a larger or a smaller '{metric}' is better; set {key} to 'greater' or 'less'"
-    )
-
-
-def is_better(value: float, best: float | None, rule: str, min_delta: float = 0.0) -> bool:
-    """Strictly better than ``best`` by more than ``min_delta`` (any finite value beats None)."""
-    if not math.isfinite(value):
-        return False
-    if best is None:
-        return True
-    return value - min_delta > best if rule == "greater" else value + min_delta < best
-
-
-def default_eval_function(cfg: Any) -> Callable[[Any], dict[str, float]]:
-    """Validation on ``TEST.DATASETS`` with the COCO evaluator; results under ``CKPT/val``.
+def default_eval_function(cfg: CfgNode) -> Callable[[TrainerLike], dict[str, float]]:
+    """Validation on ``TEST.DATASETS`` with the ``TEST.EVALUATOR``; results under ``CKPT/val``.
 
     The test batch size is checked here, when the hooks are built, so a setting that cannot be split over the
     processes stops the run before training rather than at the first validation.
     """
-    from pet.data.build import per_process_batch_size
-
     per_process_batch_size(cfg.TEST.IMS_PER_BATCH, "TEST.IMS_PER_BATCH")
 
-    def evaluate(trainer: Any) -> dict[str, float]:
-        from pet.engine.inference import evaluate_on_datasets  # the test loop imports the trainer
-
+    def evaluate(trainer: TrainerLike) -> dict[str, float]:
         return evaluate_on_datasets(cfg, unwrap_model(trainer.model), os.path.join(cfg.CKPT, "val"))
 
     return evaluate
-
-
-def _flat_metrics(results: Any, prefix: str = "") -> dict[str, float]:
-    """``{"bbox": {"AP": 1.0}}`` -> ``{"bbox/AP": 1.0}``; values must be numbers."""
-    if not isinstance(results, Mapping):
-        raise TrainingError(f"The eval function must return a dict of metrics, got {type(results).__name__}")
-    flat: dict[str, float] = {}
-    for name, value in results.items():
-        if isinstance(value, Mapping):
-            flat.update(_flat_metrics(value, f"{prefix}{name}/"))
-        elif isinstance(value, (numbers.Real, torch.Tensor)) and not isinstance(value, bool):  # numpy scalars too
-            flat[f"{prefix}{name}"] = float(value)
-        else:
-            raise TrainingError(
-                f"Metric '{prefix}{name}' of the eval function is a {type(value).__name__}, not a number"
-            )
-    return flat
 
 
 @HOOKS.register()
@@ -111,38 +51,39 @@ class EvalHook(TrainHook):
 
     priority = Priority.BELOW_NORMAL
 
-    def __init__(self, period: int, eval_function: Callable[[Any], Mapping[str, Any]]) -> None:
+    def __init__(self, period: int, eval_function: Callable[[TrainerLike], Mapping[str, Any]]) -> None:
         self.period = period
         self.eval_function = eval_function
         self.last_eval_iter = -1
         self.last_metrics: dict[str, float] = {}
 
-    def after_step(self, trainer: Any, **kwargs: Any) -> None:
-        completed = trainer.iter + 1
+    @classmethod
+    def from_config(cls, cfg: CfgNode, trainer: TrainerLike) -> EvalHook | None:
+        """``TEST.EVAL_PERIOD`` > 0 with ``TEST.DATASETS``: :func:`default_eval_function` every period."""
+        if cfg.TEST.EVAL_PERIOD <= 0 or not cfg.TEST.DATASETS:
+            return None
+        return cls(cfg.TEST.EVAL_PERIOD, default_eval_function(cfg))
+
+    def after_step(self, trainer: TrainerLike, **kwargs: Any) -> None:
+        # Epoch mode validates in the step that ends the epoch (not in after_epoch), so the
+        # writers and CheckpointHook of this very step see the metrics.
         if trainer.max_epochs > 0:
-            # Epoch mode: validate in the step that ends the epoch (not in after_epoch) so the
-            # writers and CheckpointHook of this very step see the metrics.
-            if completed % trainer.iters_per_epoch:
-                due = False
-            else:
-                epochs = completed // trainer.iters_per_epoch
-                due = (self.period > 0 and epochs % self.period == 0) or epochs >= trainer.max_epochs
+            due = self.every_n_epochs(trainer, self.period) or (
+                self.is_epoch_end(trainer) and self.epochs_completed(trainer) >= trainer.max_epochs)
         else:
-            due = (self.period > 0 and completed % self.period == 0) or completed >= trainer.max_iter
+            due = self.every_n_iters(trainer, self.period) or self.is_last_iter(trainer)
         if due or trainer.stop_training:
             self.evaluate(trainer)
 
-    def after_train(self, trainer: Any, **kwargs: Any) -> None:
+    def after_train(self, trainer: TrainerLike, **kwargs: Any) -> None:
         # Catches a stop requested by a hook that runs after this one, and a resumed run that
-        # had nothing left to train; a failed run (neither condition) is not validated.
-        # trainer.iter counts finished steps even when one failed half-way (storage.iter does not).
-        finished = trainer.stop_training or trainer.iter >= trainer.max_iter
-        if finished and self.last_eval_iter != trainer.iter:
+        # had nothing left to train; a failed or interrupted run is not validated.
+        if self.finished(trainer) and self.last_eval_iter != trainer.iter:
             self.evaluate(trainer)
 
-    def evaluate(self, trainer: Any) -> dict[str, float]:
+    def evaluate(self, trainer: TrainerLike) -> dict[str, float]:
         """Run one validation now; returns the flat metrics (also given to every hook)."""
-        completed = trainer.completed_iters
+        completed = trainer.iter
         if self.last_eval_iter == completed:
             return self.last_metrics
         self.last_eval_iter = completed
@@ -151,14 +92,16 @@ class EvalHook(TrainHook):
         was_training = model.training
         start = time.perf_counter()
         try:
-            metrics = _flat_metrics(self.eval_function(trainer))
+            metrics = flatten_metrics(self.eval_function(trainer))
         finally:
             model.train(was_training)
         if comm.get_world_size() > 1:
             metrics = comm.all_gather_object(metrics)[0]
         for name, value in metrics.items():
             trainer.storage.put_scalar(name, value, smoothing_hint=False)
-        shown = ", ".join(f"{name}: {value:.4f}" for name, value in list(metrics.items())[:8])
+        # The first metrics (AP, AP50, ...) and the validation loss, when there is one.
+        names = list(metrics)[:8] + [name for name in metrics if name.endswith("loss/total_loss")]
+        shown = ", ".join(f"{name}: {metrics[name]:.4f}" for name in dict.fromkeys(names))
         logger.info(f"Validation after iteration {completed} ({time.perf_counter() - start:.1f} s): {shown}")
         self.last_metrics = metrics
         trainer.call_hooks("after_val", metrics=metrics)

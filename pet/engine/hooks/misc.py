@@ -7,9 +7,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from fvcore.common.config import CfgNode
 
-from pet.engine.checkpoint import unwrap_model
-from pet.engine.hooks.base import HOOKS, Priority, TrainHook
+from pet.engine.common import unwrap_model
+from pet.engine.hooks.base import HOOKS, Priority, TrainerLike, TrainHook
 from pet.utils import comm
 from pet.utils.errors import ConfigError
 
@@ -30,6 +31,11 @@ class EmptyCacheHook(TrainHook):
     def __init__(self, after_iter: bool = False, after_epoch: bool = True) -> None:
         self.empty_after_iter = after_iter
         self.empty_after_epoch = after_epoch
+
+    @classmethod
+    def from_config(cls, cfg: CfgNode, trainer: TrainerLike) -> EmptyCacheHook | None:
+        c = cfg.HOOKS.EMPTY_CACHE
+        return cls(c.AFTER_ITER, c.AFTER_EPOCH) if c.ENABLED else None
 
     def after_step(self, **kwargs: Any) -> None:
         if self.empty_after_iter:
@@ -79,18 +85,22 @@ class SyncBuffersHook(TrainHook):
     single process. Runs at NORMAL priority: before EvalHook and CheckpointHook.
     """
 
+    @classmethod
+    def from_config(cls, cfg: CfgNode, trainer: TrainerLike) -> SyncBuffersHook | None:
+        return cls() if cfg.HOOKS.SYNC_BUFFERS.ENABLED and comm.get_world_size() > 1 else None
+
     @torch.no_grad()
-    def before_val(self, trainer: Any, **kwargs: Any) -> None:
+    def before_val(self, trainer: TrainerLike, **kwargs: Any) -> None:
         all_reduce_buffers(unwrap_model(trainer.model))
 
     @torch.no_grad()
-    def after_epoch(self, trainer: Any, **kwargs: Any) -> None:
+    def after_epoch(self, trainer: TrainerLike, **kwargs: Any) -> None:
         all_reduce_buffers(unwrap_model(trainer.model))
 
 
 @HOOKS.register()
 class ProfilerHook(TrainHook):
-    """Profiles iterations ``[start_iter, end_iter)`` (0-based ``trainer.iter``) with ``torch.profiler``.
+    """Profiles iterations ``start_iter + 1`` to ``end_iter`` (numbers as ``trainer.iter``) with ``torch.profiler``.
 
     ``output="table"``: the operators sorted by self time (CUDA time on a GPU) go to
     ``output_dir/profiler.txt``; ``"tensorboard"``: a trace under ``output_dir/profiler/``
@@ -105,7 +115,7 @@ class ProfilerHook(TrainHook):
         row_limit: int = 30,
     ) -> None:
         if end_iter <= start_iter or start_iter < 0:
-            raise ConfigError(f"HOOKS.PROFILER needs 0 <= START_ITER < END_ITER, got [{start_iter}, {end_iter})")
+            raise ConfigError(f"HOOKS.PROFILER needs 0 <= START_ITER < END_ITER, got {start_iter} and {end_iter}")
         if output not in ("table", "tensorboard"):
             raise ConfigError(f"HOOKS.PROFILER.OUTPUT must be 'table' or 'tensorboard', got {output!r}")
         self.start_iter = start_iter
@@ -117,8 +127,13 @@ class ProfilerHook(TrainHook):
         self._done = False
         self._on_cuda = False
 
-    def before_step(self, trainer: Any, **kwargs: Any) -> None:
-        if self._done or self._profiler is not None or not self.start_iter <= trainer.iter < self.end_iter:
+    @classmethod
+    def from_config(cls, cfg: CfgNode, trainer: TrainerLike) -> ProfilerHook | None:
+        p = cfg.HOOKS.PROFILER
+        return cls(p.START_ITER, p.END_ITER, p.OUTPUT, cfg.CKPT) if p.ENABLED else None
+
+    def before_step(self, trainer: TrainerLike, **kwargs: Any) -> None:
+        if self._done or self._profiler is not None or not self.start_iter < trainer.iter <= self.end_iter:
             return
         self._on_cuda = trainer.device.type == "cuda"
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -127,13 +142,13 @@ class ProfilerHook(TrainHook):
         self._profiler = torch.profiler.profile(activities=activities)
         self._profiler.start()
 
-    def after_step(self, trainer: Any, **kwargs: Any) -> None:
-        if self._profiler is not None and trainer.iter + 1 >= self.end_iter:
-            self._finish(trainer.iter + 1)
+    def after_step(self, trainer: TrainerLike, **kwargs: Any) -> None:
+        if self._profiler is not None and trainer.iter >= self.end_iter:
+            self._finish(trainer.iter)
 
-    def after_train(self, trainer: Any, **kwargs: Any) -> None:
+    def after_train(self, trainer: TrainerLike, **kwargs: Any) -> None:
         if self._profiler is not None:  # training ended inside the window
-            self._finish(trainer.completed_iters)
+            self._finish(trainer.iter)
 
     def _finish(self, end: int) -> None:
         profiler, self._profiler = self._profiler, None
@@ -145,14 +160,14 @@ class ProfilerHook(TrainHook):
         if self.output == "tensorboard":
             trace_dir = os.path.join(self.output_dir, "profiler")
             torch.profiler.tensorboard_trace_handler(trace_dir)(profiler)
-            logger.info(f"Profiler trace of iterations [{self.start_iter}, {end}) in {trace_dir}")
+            logger.info(f"Profiler trace of iterations {self.start_iter + 1}-{end} in {trace_dir}")
             return
         sort_by = "self_device_time_total" if self._on_cuda else "self_cpu_time_total"
         path = os.path.join(self.output_dir, "profiler.txt")
         with open(path, "w", encoding="utf-8") as f:
-            f.write(f"Iterations [{self.start_iter}, {end}), sorted by {sort_by}\n")
+            f.write(f"Iterations {self.start_iter + 1}-{end}, sorted by {sort_by}\n")
             f.write(profiler.key_averages().table(sort_by=sort_by, row_limit=self.row_limit))
-        logger.info(f"Profile of iterations [{self.start_iter}, {end}) written to {path}")
+        logger.info(f"Profile of iterations {self.start_iter + 1}-{end} written to {path}")
 
     def __repr__(self) -> str:
         return f"ProfilerHook([{self.start_iter}, {self.end_iter}), {self.output})"

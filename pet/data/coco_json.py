@@ -1,0 +1,309 @@
+"""One COCO-format annotation file, read and validated: :func:`load_coco_json` and the :class:`COCODataset` it returns.
+
+Everything that can be checked without decoding images is checked here, so a broken dataset
+fails in the main process with one message naming the file, image or annotation, instead of
+deep inside a loader worker. Decoding images and concatenating datasets is :mod:`pet.data.dataset`'s job.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import io
+import json
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from pycocotools.coco import COCO
+
+from pet.utils.errors import DataError
+
+__all__ = ["COCODataset", "load_coco_json", "require_masks"]
+
+logger = logging.getLogger(__name__)
+
+# A box may stick out of its image by this many pixels (rounding in annotation tools) before it counts as outside.
+_OUTSIDE_TOLERANCE = 1.0
+
+
+class COCODataset:
+    """One validated COCO annotation file.
+
+    Attributes:
+        name, json_file, image_root: where it comes from.
+        coco: the pycocotools ``COCO`` object of the file, unmodified (the evaluation ground truth).
+        class_names: category names ordered by category id; label ``i + 1`` is ``class_names[i]``.
+        label_to_category_id / category_id_to_label: contiguous labels (1..C) <-> COCO category ids.
+        records: one dict per image: ``image_id``, ``file_name`` (full path), ``height``, ``width``,
+            ``boxes`` (float32 [N, 4] XYXY, clipped, crowd excluded), ``labels`` (int64 [N]) and
+            ``segmentations`` (N entries in the order of ``boxes``: a list of float64 polygons
+            (x0, y0, x1, y1, ...), an RLE dict, or None when the annotation has none).
+        annotations_without_mask: ids of the annotations in ``records`` that have no usable segmentation.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        json_file: str,
+        image_root: str,
+        coco: COCO,
+        records: list[dict[str, Any]],
+        annotations_without_mask: Sequence[int] = (),
+    ) -> None:
+        self.name = name
+        self.json_file = json_file
+        self.image_root = image_root
+        self.coco = coco
+        categories = sorted(coco.dataset["categories"], key=lambda c: c["id"])
+        self.class_names = [c["name"] for c in categories]
+        self.label_to_category_id = {i + 1: c["id"] for i, c in enumerate(categories)}
+        self.category_id_to_label = {cid: label for label, cid in self.label_to_category_id.items()}
+        self.records = records
+        self.annotations_without_mask = list(annotations_without_mask)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def instances_per_class(self) -> np.ndarray:
+        """Number of usable (non-crowd, kept) boxes of each label; index i is label i + 1."""
+        labels = np.concatenate([r["labels"] for r in self.records]) if self.records else np.zeros(0, np.int64)
+        return np.bincount(labels - 1, minlength=len(self.class_names))
+
+    def __repr__(self) -> str:
+        return f"COCODataset(name={self.name!r}, images={len(self)}, classes={len(self.class_names)})"
+
+
+def load_coco_json(json_file: str, image_root: str, name: str | None = None, *, strict: bool = False) -> COCODataset:
+    """Read and validate a COCO annotation file.
+
+    Crowd annotations stay in ``coco`` (COCOeval ignores matches to them) but not in the
+    training records. A box that is empty or sticks out of its image is rejected with a
+    :class:`DataError` when ``strict``; otherwise it is clipped to the image (or dropped
+    when nothing is left) and a warning reports how many.
+    """
+    name = name or os.path.splitext(os.path.basename(json_file))[0]
+    data = _read_json(json_file, name)
+    where = f"{json_file} (dataset '{name}')"
+    categories = _check_categories(data["categories"], where)
+    images = _check_images(data["images"], image_root, where)
+    annotations = _check_annotations(data["annotations"], images, categories, where)
+
+    coco = COCO()
+    coco.dataset = data
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress lines
+        coco.createIndex()
+
+    sorted_ids = sorted(categories)
+    cat_to_label = {cid: i + 1 for i, cid in enumerate(sorted_ids)}
+    fixer = _BoxFixer(where, strict)
+    per_image: dict[int, list[tuple[list[float], int, Any]]] = collections.defaultdict(list)
+    without_mask = []
+    for ann in annotations:
+        if ann.get("iscrowd", 0):
+            continue
+        image = images[ann["image_id"]]
+        box = fixer(ann, image["width"], image["height"])
+        if box is None:
+            continue
+        segmentation = _segmentation(ann, image, where)
+        if segmentation is None:
+            without_mask.append(ann["id"])
+        per_image[ann["image_id"]].append((box, cat_to_label[ann["category_id"]], segmentation))
+    fixer.report()
+
+    records = []
+    for image_id, image in images.items():
+        objs = per_image.get(image_id, [])
+        records.append({
+            "image_id": image_id,
+            "file_name": os.path.join(image_root, image["file_name"]),
+            "height": image["height"],
+            "width": image["width"],
+            "boxes": np.array([o[0] for o in objs], dtype=np.float32).reshape(-1, 4),
+            "labels": np.array([o[1] for o in objs], dtype=np.int64),
+            "segmentations": [o[2] for o in objs],
+        })
+    if not records:
+        raise DataError(f"{where} lists no images; an empty dataset cannot be trained or tested on. "
+                        "Point the dataset at an annotation file with images.")
+    return COCODataset(name, json_file, image_root, coco, records, without_mask)
+
+
+def require_masks(datasets: Sequence[COCODataset]) -> None:
+    """Fail up-front (not in a worker) when an annotation used for training has no segmentation."""
+    for d in datasets:
+        if d.annotations_without_mask:
+            ids = d.annotations_without_mask
+            raise DataError(
+                f"MODEL.MASK_ON is True but {len(ids)} annotations of dataset '{d.name}' ({d.json_file}) have no "
+                f"usable 'segmentation' (polygons with at least 3 points, or RLE), e.g. annotation ids {ids[:5]}. "
+                "Add their masks, or set MODEL.MASK_ON False to train on boxes only."
+            )
+
+
+def _read_json(json_file: str, name: str) -> dict[str, Any]:
+    if not os.path.isfile(json_file):
+        raise DataError(f"Annotation file of dataset '{name}' not found: {json_file}. "
+                        "Check the path (see data/README.md for the expected layout).")
+    try:
+        with open(json_file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(f"Annotation file {json_file} of dataset '{name}' is not valid JSON ({exc}); it may be "
+                        "truncated: fix or re-download it.") from exc
+    if isinstance(data, list):
+        raise DataError(f"Annotation file {json_file} of dataset '{name}' holds a list (it looks like a detection "
+                        "results file), not a COCO dataset dict with 'images', 'annotations' and 'categories'.")
+    if not isinstance(data, dict) or not isinstance(data.get("images"), list) or not isinstance(
+        data.get("categories"), list
+    ):
+        keys = sorted(data)[:8] if isinstance(data, dict) else type(data).__name__
+        raise DataError(f"Annotation file {json_file} of dataset '{name}' is not in COCO format: it needs the lists "
+                        f"'images', 'annotations' and 'categories' (found {keys}).")
+    data.setdefault("annotations", [])  # image-info files (test sets) have none
+    if not isinstance(data["annotations"], list):
+        raise DataError(f"'annotations' in {json_file} must be a list of COCO annotations.")
+    return data
+
+
+def _check_categories(categories: list[Any], where: str) -> dict[int, str]:
+    result: dict[int, str] = {}
+    for i, cat in enumerate(categories):
+        if not isinstance(cat, dict) or not isinstance(cat.get("id"), int) or "name" not in cat:
+            raise DataError(f"Category #{i} in {where} needs an integer 'id' and a 'name', got {cat!r}.")
+        if cat["id"] in result:
+            raise DataError(f"Category id {cat['id']} appears twice in {where}; category ids must be unique.")
+        result[cat["id"]] = str(cat["name"])
+    if not result:
+        raise DataError(f"{where} defines no categories; add the 'categories' list.")
+    return result
+
+
+def _check_images(images: list[Any], image_root: str, where: str) -> dict[int, dict[str, Any]]:
+    result: dict[int, dict[str, Any]] = {}
+    for i, img in enumerate(images):
+        if not isinstance(img, dict) or "id" not in img or "file_name" not in img:
+            raise DataError(f"Image #{i} in {where} needs an 'id' and a 'file_name', got {img!r}.")
+        if img["id"] in result:
+            raise DataError(f"Image id {img['id']} appears twice in {where}; image ids must be unique.")
+        if not img.get("height") or not img.get("width"):
+            img["width"], img["height"] = _size_from_header(os.path.join(image_root, img["file_name"]), img["id"])
+        result[img["id"]] = img
+    return result
+
+
+def _size_from_header(path: str, image_id: Any) -> tuple[int, int]:
+    """(width, height) for images whose JSON entry lacks them, from the file header only."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            return im.size
+    except FileNotFoundError as exc:
+        raise DataError(f"Image {path} (image id {image_id}) has no width/height in the JSON and the file "
+                        "does not exist. Check the image root.") from exc
+    except (UnidentifiedImageError, OSError) as exc:
+        raise DataError(f"Image {path} (image id {image_id}) has no width/height in the JSON and the file "
+                        f"is not a readable image: {exc}") from exc
+
+
+def _check_annotations(
+    annotations: list[Any], images: dict[int, dict[str, Any]], categories: dict[int, str], where: str
+) -> list[dict[str, Any]]:
+    seen: set[Any] = set()
+    for i, ann in enumerate(annotations):
+        if not isinstance(ann, dict) or not {"id", "image_id", "category_id", "bbox"} <= ann.keys():
+            raise DataError(f"Annotation #{i} in {where} needs 'id', 'image_id', 'category_id' and 'bbox', "
+                            f"got {ann!r}.")
+        ann_id = ann["id"]
+        if ann_id in seen:
+            raise DataError(f"Annotation id {ann_id} appears twice in {where}; annotation ids must be unique.")
+        if ann_id == 0:
+            raise DataError(f"Annotation id 0 in {where}: pycocotools' COCOeval reads id 0 as 'unmatched', "
+                            "so the AP would be wrong. Number annotations from 1.")
+        seen.add(ann_id)
+        if ann["image_id"] not in images:
+            raise DataError(f"Annotation {ann_id} in {where} refers to image id {ann['image_id']!r}, "
+                            "which is not in 'images'. Fix the image_id or add the image.")
+        if ann["category_id"] not in categories:
+            raise DataError(f"Annotation {ann_id} in {where} (image id {ann['image_id']}) has category id "
+                            f"{ann['category_id']!r}, which is not in 'categories' (known ids: "
+                            f"{sorted(categories)}). Fix the category_id or add the category.")
+        bbox = ann["bbox"]
+        if not isinstance(bbox, (list, tuple)) or len(bbox) != 4 or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in bbox
+        ):
+            raise DataError(f"Annotation {ann_id} in {where} (image id {ann['image_id']}) has bbox {bbox!r}; "
+                            "COCO boxes are [x, y, width, height] numbers.")
+        ann.setdefault("iscrowd", 0)
+        ann.setdefault("area", float(bbox[2]) * float(bbox[3]))
+    return annotations
+
+
+def _segmentation(ann: dict[str, Any], image: dict[str, Any], where: str) -> Any:
+    """The annotation's mask as float64 polygons or an RLE dict; None when it has none.
+
+    Polygons with fewer than 3 points are dropped (pycocotools would read a 2-point one
+    as a box). A malformed segmentation or an RLE of another size than the image is an error.
+    """
+    segm = ann.get("segmentation")
+    if not segm:
+        return None
+    what = f"Annotation {ann['id']} in {where} (image id {ann['image_id']})"
+    if isinstance(segm, dict):
+        if "counts" not in segm or "size" not in segm:
+            raise DataError(f"{what} has an RLE segmentation without 'counts' and 'size': {str(segm)[:80]}.")
+        if list(segm["size"]) != [image["height"], image["width"]]:
+            raise DataError(f"{what} has an RLE mask of size {list(segm['size'])} (height, width) but the image is "
+                            f"{image['height']}x{image['width']}. Fix the mask or the image's width/height.")
+        return segm
+    try:
+        polygons = [np.asarray(p, dtype=np.float64) for p in segm]
+    except (TypeError, ValueError) as exc:
+        raise DataError(f"{what} has a segmentation that is neither RLE nor a list of polygons "
+                        f"[x0, y0, x1, y1, ...]: {str(segm)[:80]}.") from exc
+    if any(p.ndim != 1 for p in polygons):
+        raise DataError(f"{what} has a segmentation that is neither RLE nor a list of polygons "
+                        f"[x0, y0, x1, y1, ...]: {str(segm)[:80]}.")
+    polygons = [p for p in polygons if len(p) >= 6 and len(p) % 2 == 0]
+    return polygons or None
+
+
+class _BoxFixer:
+    """Turns COCO [x, y, w, h] into XYXY, rejecting (strict) or clipping/dropping bad boxes and counting them."""
+
+    def __init__(self, where: str, strict: bool) -> None:
+        self.where = where
+        self.strict = strict
+        self.clipped: list[Any] = []
+        self.dropped: list[Any] = []
+
+    def __call__(self, ann: dict[str, Any], width: int, height: int) -> list[float] | None:
+        x, y, w, h = (float(v) for v in ann["bbox"])
+        x1, y1, x2, y2 = x, y, x + w, y + h
+        degenerate = not (w > 0 and h > 0)
+        tol = _OUTSIDE_TOLERANCE
+        outside = x1 < -tol or y1 < -tol or x2 > width + tol or y2 > height + tol
+        if not (degenerate or outside):
+            return [max(x1, 0.0), max(y1, 0.0), min(x2, width), min(y2, height)]
+        problem = "has zero or negative size" if degenerate else f"lies outside the {width}x{height} image"
+        if self.strict:
+            raise DataError(f"Annotation {ann['id']} in {self.where} (image id {ann['image_id']}): bbox "
+                            f"{ann['bbox']} {problem}. Fix it, or set DATA.STRICT False to clip such boxes.")
+        box = [min(max(x1, 0.0), width), min(max(y1, 0.0), height), min(max(x2, 0.0), width),
+               min(max(y2, 0.0), height)]
+        if box[2] - box[0] <= 0 or box[3] - box[1] <= 0:
+            self.dropped.append(ann["id"])
+            return None
+        self.clipped.append(ann["id"])
+        return box
+
+    def report(self) -> None:
+        if self.clipped or self.dropped:
+            logger.warning(
+                f"{self.where}: clipped {len(self.clipped)} boxes that stick out of their image "
+                f"(e.g. annotation ids {self.clipped[:5]}) and dropped {len(self.dropped)} empty or fully "
+                f"outside boxes (e.g. {self.dropped[:5]}). Set DATA.STRICT True to reject them instead."
+            )

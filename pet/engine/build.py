@@ -1,0 +1,109 @@
+"""Everything set up from the config before a run: the model's placement, the hooks, the test callbacks.
+
+:class:`pet.engine.trainer.Trainer` builds what it is not given through these functions,
+and so do tools/train_net.py and tools/test_net.py (through :mod:`pet.engine.defaults`),
+so a config key means the same on every path.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from fvcore.common.config import CfgNode
+
+from pet.engine.common import resolve_device
+from pet.engine.events import writer_class
+from pet.engine.hooks import (
+    HOOKS,
+    BestCheckpointHook,
+    CheckpointHook,
+    EarlyStoppingHook,
+    EMAHook,
+    EmptyCacheHook,
+    EvalHook,
+    IterationTimer,
+    LRScheduler,
+    PeriodicWriter,
+    PreciseBN,
+    ProfilerHook,
+    SyncBuffersHook,
+    TestCallback,
+    TestHook,
+    TrainerLike,
+    TrainHook,
+    get_priority,
+)
+from pet.utils.compile import compile_submodules
+from pet.utils.errors import ConfigError
+from pet.utils.registry import build_from_spec
+
+__all__ = [
+    "DEFAULT_TRAIN_HOOKS",
+    "prepare_model",
+    "build_train_hooks",
+    "build_custom_hooks",
+    "build_test_hooks",
+]
+
+# The built-in hooks in registration order (see pet.engine.hooks for priorities and conditions).
+DEFAULT_TRAIN_HOOKS: tuple[type[TrainHook], ...] = (
+    IterationTimer,
+    LRScheduler,
+    PreciseBN,
+    EMAHook,
+    SyncBuffersHook,
+    EmptyCacheHook,
+    EvalHook,
+    EarlyStoppingHook,
+    CheckpointHook,
+    BestCheckpointHook,
+    ProfilerHook,
+    PeriodicWriter,
+)
+
+
+def prepare_model(model: torch.nn.Module, cfg: CfgNode, device: torch.device | None = None) -> torch.nn.Module:
+    """``model`` (from :func:`pet.utils.registry.build_model`, or the caller's) on ``device`` (default:
+    ``DEVICE``) with ``MODEL.COMPILE`` applied."""
+    model.to(device if device is not None else resolve_device(cfg.DEVICE))
+    compile_submodules(model, cfg.MODEL.COMPILE)
+    return model
+
+
+def build_train_hooks(cfg: CfgNode, trainer: TrainerLike) -> list[TrainHook]:
+    """The default hooks for ``cfg``, each from its ``from_config``, then ``HOOKS.CUSTOM``.
+
+    ``TRAIN.WRITERS`` names are resolved here on every process, so a typo fails all of
+    them together, before anything is written.
+    """
+    for spec in cfg.TRAIN.WRITERS:
+        writer_class(spec)
+    hooks = [hook_class.from_config(cfg, trainer) for hook_class in DEFAULT_TRAIN_HOOKS]
+    return [hook for hook in hooks if hook is not None] + build_custom_hooks(cfg.HOOKS.CUSTOM, cfg.CKPT)
+
+
+def build_custom_hooks(specs: Iterable[dict[str, Any]], output_dir: str) -> list[TrainHook]:
+    """Hooks from ``HOOKS.CUSTOM``-style entries ``{type, priority, <kwargs>}``."""
+    hooks = []
+    for spec in specs:
+        spec = dict(spec)
+        priority = spec.pop("priority", spec.pop("PRIORITY", None))
+        hook = build_from_spec(HOOKS, spec, output_dir=output_dir)
+        if priority is not None:
+            hook.priority = get_priority(priority)
+        hooks.append(hook)
+    return hooks
+
+
+def build_test_hooks(cfg: CfgNode, cfg_filename: str | None = None) -> tuple[TestHook, list[TestCallback]]:
+    """The timing TestHook and the ``TEST.HOOKS`` callbacks."""
+    timer = TestHook(cfg_filename, logperiod=cfg.TEST.LOG_PERIOD, num_warmup=cfg.TEST.NUM_WARMUP)
+    callbacks = []
+    for spec in cfg.TEST.HOOKS:
+        hook = build_from_spec(HOOKS, spec, output_dir=cfg.CKPT)
+        if not isinstance(hook, TestCallback):
+            raise ConfigError(f"TEST.HOOKS entry {dict(spec)} built {type(hook).__name__}, which is not a "
+                              "TestCallback (or TestHook) subclass")
+        callbacks.append(hook)
+    return timer, callbacks

@@ -1,0 +1,227 @@
+"""Code the test files share: running a tool as a user does, opts and configs for tiny runs, small datasets, batches.
+
+Fixtures live in ``conftest.py`` (the toy model and loaders, ``make_cfg``, the session's generated
+shapes sets); this module holds plain functions and constants, imported as ``from helpers import ...``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+import torch
+from fvcore.common.config import CfgNode
+
+from pet.config import load_cfg
+from pet.data import register_coco_dataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFGS = os.path.join(ROOT, "cfgs")
+DEMO_CFG = os.path.join(CFGS, "shapes", "faster_rcnn_R-18-FPN.yaml")
+
+# The cores a test may use (the suite runs on 2-core machines); a run of N processes gets 2 // N threads each.
+_CORES = 2
+
+
+# ------------------------------------------------------------------------------------------------ tools
+def run_tool(
+    tool: str,
+    *args: object,
+    nproc: int = 1,
+    threads: int | None = None,
+    check: bool = True,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """Run ``tools/<tool>`` with ``args`` in a fresh interpreter, as a user runs it; its output is captured.
+
+    ``nproc`` > 1 launches it through torchrun (``--standalone``: a local rendezvous on a port the OS
+    picks, so parallel runs never collide). Each process gets ``threads`` OpenMP threads, by default
+    the cores shared out among the processes. ``check``: fail with the tail of its output unless it
+    exits with 0. ``env``: extra environment variables.
+    """
+    threads = threads or max(1, _CORES // nproc)
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    proc = subprocess.run([*launcher, os.path.join(ROOT, "tools", tool), *map(str, args)], capture_output=True,
+                          text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads), **(env or {})}, timeout=600)
+    if check and proc.returncode != 0:
+        output = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        raise AssertionError(f"{tool} x{nproc} failed ({proc.returncode}):\n{output}")
+    return proc
+
+
+def custom_datasets(*datasets: tuple[str, str, str]) -> str:
+    """The ``DATA.CUSTOM`` value that registers each ``(name, json file, image dir)``."""
+    entries = [f"{{'name': '{name}', 'json': '{json_file}', 'images': '{images}'}}"
+               for name, json_file, images in datasets]
+    return f"[{', '.join(entries)}]"
+
+
+def single_dataset_opts(json_file: str, image_dir: str, name: str = "mine") -> list[str]:
+    """Command-line opts that register one COCO dataset as ``name`` and both train and test on it."""
+    return ["DATA.CUSTOM", custom_datasets((name, json_file, image_dir)),
+            "TRAIN.DATASETS", f"('{name}',)", "TEST.DATASETS", f"('{name}',)"]
+
+
+def tiny_set_opts(
+    root: str, ckpt: str, *, max_iter: int = 6, test_batch: int = 2, display_iter: int = 3, checkpoint_period: int = 4
+) -> list[str]:
+    """Command-line opts for the demo config on the generated set ``root``, a few iterations long, writing to ``ckpt``.
+
+    The set's splits are registered as ``tiny_train`` and ``tiny_val`` (``DATA.CUSTOM``) and used for
+    training and testing; 2 images per training batch, no loader workers, one warm-up test iteration.
+    """
+    return ["CKPT", ckpt,
+            "DATA.CUSTOM", custom_datasets(("tiny_train", f"{root}/annotations/train.json", f"{root}/train"),
+                                           ("tiny_val", f"{root}/annotations/val.json", f"{root}/val")),
+            "TRAIN.DATASETS", "('tiny_train',)", "TEST.DATASETS", "('tiny_val',)", "SOLVER.MAX_ITER", str(max_iter),
+            "SOLVER.IMS_PER_BATCH", "2", "TEST.IMS_PER_BATCH", str(test_batch), "DATA.NUM_WORKERS", "0",
+            "DISPLAY_ITER", str(display_iter), "TEST.NUM_WARMUP", "1",
+            "HOOKS.CHECKPOINT.PERIOD", str(checkpoint_period)]
+
+
+# ------------------------------------------------------------------------------------------------ toy_train.py
+TOY_TRAIN = os.path.join(ROOT, "tests", "toy_train.py")
+
+
+def start_toy_train(ckpt: Any, max_iter: int, *args: str, **popen: Any) -> subprocess.Popen:
+    """``tests/toy_train.py`` in a subprocess; ``popen``: extra ``subprocess.Popen`` arguments."""
+    return subprocess.Popen([sys.executable, TOY_TRAIN, "--ckpt", str(ckpt), "--max-iter", str(max_iter), *args],
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **popen)
+
+
+def run_toy_train(ckpt: Any, max_iter: int, *args: str, **popen: Any) -> tuple[int, str, str]:
+    """``tests/toy_train.py`` to the end: (exit status, stdout, stderr)."""
+    proc = start_toy_train(ckpt, max_iter, *args, **popen)
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err
+
+
+def start_and_wait_for_report(ckpt: Any, max_iter: int, plugin: str, *args: str, also: Sequence[dict] = (),
+                              **kwargs: Any) -> tuple[subprocess.Popen, str]:
+    """Start toy_train with the hook ``fault_plugins.<plugin>(fd=<a pipe>, **kwargs)`` and wait for its report.
+
+    ``also``: more ``HOOKS.CUSTOM`` entries. Returns the process, still running, and the line
+    the hook wrote on the pipe once it got where the test wants it: no sleep, no timing
+    assumption. A child that exits before reporting fails the test with its output.
+    """
+    read_end, write_end = os.pipe()
+    hooks = [*also, {"type": f"fault_plugins.{plugin}", "fd": write_end, **kwargs}]
+    try:
+        proc = start_toy_train(ckpt, max_iter, *args, "HOOKS.CUSTOM", repr(hooks), pass_fds=(write_end,))
+    finally:
+        os.close(write_end)
+    try:
+        ready, _, _ = select.select([read_end], [], [], 300)  # a hang guard only
+        report = os.read(read_end, 4096).decode() if ready else ""
+    finally:
+        os.close(read_end)
+    if not report:  # the child exited (end of file) or hung
+        proc.kill()
+        raise AssertionError(f"{plugin} never reported: {proc.communicate()}")
+    return proc, report.strip()
+
+
+def final_weights(ckpt: Any) -> dict[str, torch.Tensor]:
+    """The ``model`` of ``ckpt/model_final.pth``."""
+    return torch.load(os.path.join(ckpt, "model_final.pth"), weights_only=True)["model"]
+
+
+# ------------------------------------------------------------------------------------------------ datasets
+def register_split(root: str, split: str) -> str:
+    """Register ``split`` of the generated set ``root`` under a fresh name (tests never share a catalog entry)."""
+    name = f"shapes_{split}_{uuid.uuid4().hex[:8]}"
+    register_coco_dataset(name, os.path.join(root, "annotations", f"{split}.json"), os.path.join(root, split))
+    return name
+
+
+def data_cfg(*opts: object, custom: Iterable[dict[str, str]] = (), num_classes: int = 3) -> CfgNode:
+    """A mutable CPU config for building loaders: batch 4, no workers, short sides 160-192 px in training."""
+    base = [
+        "DEVICE", "cpu", "MODEL.NUM_CLASSES", num_classes, "SOLVER.IMS_PER_BATCH", 4, "DATA.NUM_WORKERS", 0,
+        "INPUT.MIN_SIZE_TRAIN", (160, 192), "INPUT.MAX_SIZE_TRAIN", 320, "INPUT.MIN_SIZE_TEST", 192,
+        "INPUT.MAX_SIZE_TEST", 320, "SOLVER.MAX_ITER", 10, "DATA.CUSTOM", list(custom),
+    ]
+    return load_cfg(None, [str(o) for o in (*base, *opts)], freeze=False)
+
+
+def write_coco(
+    tmp_path: Path,
+    images: Sequence[tuple[int, int, int]] = ((1, 40, 30),),
+    annotations: list[dict[str, Any]] | None = None,
+    categories: list[dict[str, Any]] | None = None,
+    write_images: bool = True,
+) -> tuple[str, str, str]:
+    """A small registered COCO dataset on disk; returns (name, json path, image dir).
+
+    ``images`` are ``(id, width, height)`` of gray PNGs; by default each has one box of category 1.
+    """
+    image_dir = tmp_path / "images"
+    image_dir.mkdir(exist_ok=True)
+    entries = []
+    for image_id, w, h in images:
+        entries.append({"id": image_id, "file_name": f"{image_id}.png", "width": w, "height": h})
+        if write_images:
+            cv2.imwrite(str(image_dir / f"{image_id}.png"), np.full((h, w, 3), 128, np.uint8))
+    if annotations is None:
+        annotations = [{"id": i + 1, "image_id": e["id"], "category_id": 1, "bbox": [2, 3, 10, 8], "iscrowd": 0}
+                       for i, e in enumerate(entries)]
+    data = {"images": entries, "annotations": annotations,
+            "categories": categories or [{"id": 1, "name": "thing"}]}
+    json_file = tmp_path / "ann.json"
+    json_file.write_text(json.dumps(data))
+    name = f"custom_{uuid.uuid4().hex[:8]}"
+    register_coco_dataset(name, str(json_file), str(image_dir))
+    return name, str(json_file), str(image_dir)
+
+
+# ------------------------------------------------------------------------------------------------ models
+# The boxes (XYXY, resized-image pixels) of both images in detector_batch unless a test gives its own.
+BATCH_BOXES = ((10.0, 12.0, 50.0, 60.0), (30.0, 5.0, 70.0, 40.0))
+
+
+def detector_batch(
+    boxes: Sequence[Sequence[float]] = BATCH_BOXES, *, masks: bool = False
+) -> tuple[torch.Tensor, list[dict[str, Any]]]:
+    """Two padded uint8 images in Pet's batch contract, the same for every seed.
+
+    Image 0 (96x128) stands for a 192x256 original resized 2x down, image 1 (80x100) is its own
+    original; both hold ``boxes`` with labels 1 and 3 and, with ``masks``, a filled mask per box.
+    """
+    gen = torch.Generator().manual_seed(0)
+    images = torch.zeros(2, 3, 128, 128, dtype=torch.uint8)
+    targets = []
+    for i, ((h, w), orig) in enumerate([((96, 128), (192, 256)), ((80, 100), (80, 100))]):
+        images[i, :, :h, :w] = torch.randint(0, 255, (3, h, w), generator=gen, dtype=torch.uint8)
+        target = {"image_id": i + 1, "image_size": (h, w), "orig_size": orig, "boxes": torch.tensor(boxes),
+                  "labels": torch.tensor([1, 3])}
+        if masks:
+            target["masks"] = torch.zeros(len(boxes), h, w, dtype=torch.uint8)
+            for mask, (x0, y0, x1, y1) in zip(target["masks"], target["boxes"].int().tolist()):
+                mask[y0:y1, x0:x1] = 1
+        targets.append(target)
+    return images, targets
+
+
+def assert_part_trains(
+    model: torch.nn.Module, part: torch.nn.Module, losses: set[str], batch: tuple[torch.Tensor, list[dict]]
+) -> None:
+    """One training step on ``batch`` returns exactly ``losses`` and gives every parameter of ``part`` a gradient.
+
+    What a user's swapped-in part (a head or neck named by dotted path) must do to be trained.
+    """
+    model.train()
+    out = model(*batch)
+    assert set(out) == losses
+    sum(out.values()).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in part.parameters())

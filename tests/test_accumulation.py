@@ -1,0 +1,59 @@
+"""SOLVER.ACCUM_STEPS: one iteration is one optimizer step over ACCUM_STEPS batches."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ToyModel
+
+from pet.engine.events import read_metrics
+from pet.engine.trainer import Trainer
+
+
+def _images(count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(count, 4, generator=gen) * 3
+    return x, x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + 1.0
+
+
+def _weights_after_one_iteration(make_cfg, tmp_path, batch_size: int, accum_steps: int) -> dict[str, torch.Tensor]:
+    """Train one iteration on the same 4 images, cut into batches of ``batch_size``."""
+    x, y = _images(4)
+    batches = [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, 4, batch_size)]
+    torch.manual_seed(0)
+    model = ToyModel()  # no batch statistics: the gradient of a batch is the mean of its images'
+    # float32: the equivalence is exact arithmetic up to summation order; bfloat16 autocast (the default on
+    # a CPU with native bf16) rounds each batch's forward separately, about 1e-3 apart.
+    cfg = make_cfg("SOLVER.MAX_ITER", 1, "SOLVER.ACCUM_STEPS", accum_steps, "TRAIN.SAVE_AS_JSON", False,
+                   "SOLVER.AMP.ENABLED", False,
+                   "CKPT", tmp_path / f"{batch_size}x{accum_steps}")
+    Trainer(cfg, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), data_loader=batches).train()
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("batch_size, accum_steps", [(1, 4), (2, 2)])
+def test_accumulated_batches_give_the_weights_of_one_large_batch(make_cfg, tmp_path, batch_size, accum_steps):
+    large = _weights_after_one_iteration(make_cfg, tmp_path, 4, 1)
+    accumulated = _weights_after_one_iteration(make_cfg, tmp_path, batch_size, accum_steps)
+    torch.manual_seed(0)
+    untrained = ToyModel().state_dict()
+    for name, value in large.items():
+        assert not torch.equal(value, untrained[name]), name  # the step moved the weights
+        assert torch.allclose(accumulated[name], value, atol=1e-5, rtol=0), name
+
+
+def test_hooks_and_writers_count_optimizer_steps(make_cfg):
+    """12 batches with ACCUM_STEPS 3 are 4 iterations: 4 lr values, 4 metrics lines, 4 optimizer steps."""
+    x, y = _images(12)
+    batches = [(x[i:i + 1], y[i:i + 1]) for i in range(12)]
+    model = ToyModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    steps = []
+    optimizer.register_step_post_hook(lambda *args: steps.append(1))
+    cfg = make_cfg("SOLVER.MAX_EPOCHS", 1, "SOLVER.ACCUM_STEPS", 3, "DISPLAY_ITER", 1, "SOLVER.LR_POLICY", "step",
+                   "SOLVER.STEPS", "(2,)")
+    trainer = Trainer(cfg, model=model, optimizer=optimizer, data_loader=batches)
+    trainer.train()
+    assert trainer.iters_per_epoch == 4 and trainer.iter == 4 and len(steps) == 4
+    records = read_metrics(f"{cfg.CKPT}/metrics.json")
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4]
+    assert [r["lr"] for r in records] == pytest.approx([0.05, 0.05, 0.005, 0.005])

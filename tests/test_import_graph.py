@@ -1,0 +1,157 @@
+"""The dependency rules of DESIGN.md, read from the source: pet/engine is acyclic and imports at module level.
+
+Every module under pet/ is parsed (nothing is imported), so a rule broken anywhere fails
+here with the modules named, not as an ImportError on some other path.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+PET_ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pet")
+
+
+def _module_files() -> dict[str, str]:
+    """``{"pet.engine.trainer": path, "pet.engine": path of its __init__.py, ...}``."""
+    modules = {}
+    for directory, _, files in os.walk(PET_ROOT):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(directory, name)
+                parts = os.path.relpath(path, os.path.dirname(PET_ROOT))[:-3].split(os.sep)
+                modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+MODULES = _module_files()
+
+
+def _imported_names(node: ast.AST) -> Iterator[str]:
+    if isinstance(node, ast.Import):
+        yield from (alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        for alias in node.names:  # "from pet.engine import resume" imports the module pet.engine.resume
+            submodule = f"{node.module}.{alias.name}"
+            yield submodule if submodule in MODULES else node.module
+
+
+def _is_type_checking_block(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imports(module: str) -> tuple[set[str], list[tuple[int, str]]]:
+    """(pet modules imported when ``module`` is imported, [(line, module) imported inside a function or class])."""
+    with open(MODULES[module], encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    at_import: set[str] = set()
+    deferred: list[tuple[int, str]] = []
+
+    def visit(node: ast.AST, nested: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if _is_type_checking_block(child):
+                continue
+            inner = nested or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef))
+            for name in _imported_names(child):
+                if name == "pet" or name.startswith("pet."):
+                    (deferred.append((child.lineno, name)) if inner else at_import.add(name))
+            visit(child, inner)
+
+    visit(tree, False)
+    return at_import, deferred
+
+
+def _ancestors(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _edges(module: str) -> set[str]:
+    """What importing ``module`` runs: each imported module and its packages' ``__init__``, except the
+    packages ``module`` itself lives in (those are initialising already, as in any package)."""
+    own = set(_ancestors(module))
+    targets = set()
+    for name in _imports(module)[0]:
+        targets.update(m for m in (*_ancestors(name), name) if m in MODULES and m not in own and m != module)
+    return targets
+
+
+def _cycles(nodes: list[str]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), among ``nodes``."""
+    graph = {n: sorted(_edges(n) & set(nodes)) for n in nodes}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in nodes:
+        if node not in index:
+            connect(node)
+    return found
+
+
+ENGINE = sorted(m for m in MODULES if m == "pet.engine" or m.startswith("pet.engine."))
+
+
+def test_pet_engine_modules_form_no_import_cycle():
+    assert _cycles(ENGINE) == []
+
+
+def test_nothing_inside_pet_engine_imports_pet_at_function_level():
+    deferred = {m: _imports(m)[1] for m in ENGINE}
+    assert {m: lines for m, lines in deferred.items() if lines} == {}
+
+
+@pytest.mark.parametrize("importer, forbidden", [
+    ("pet.engine", "pet.evaluation"),  # evaluation may use the engine's callbacks: one way only
+    ("pet.engine", "pet.modeling"),  # the engine builds models through the registry
+    ("pet.data", "pet.engine"),
+])
+def test_dependencies_point_one_way(importer, forbidden):
+    offenders = {
+        module: sorted(name for name in (*_imports(module)[0], *(n for _, n in _imports(module)[1]))
+                       if name == forbidden or name.startswith(forbidden + "."))
+        for module in MODULES if module == importer or module.startswith(importer + ".")
+    }
+    assert {m: names for m, names in offenders.items() if names} == {}
+
+
+def test_the_checker_sees_a_cycle_and_a_deferred_import(tmp_path, monkeypatch):
+    """The rules above are only worth something if the parser finds what they forbid."""
+    package = tmp_path / "pet" / "engine"
+    package.mkdir(parents=True)
+    (tmp_path / "pet" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pet.engine.b import g\n\ndef f():\n    from pet.engine import c\n")
+    (package / "b.py").write_text("import pet.engine.a\n\ng = 1\n")
+    (package / "c.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "MODULES", {
+        "pet": str(tmp_path / "pet" / "__init__.py"), "pet.engine": str(package / "__init__.py"),
+        **{f"pet.engine.{n}": str(package / f"{n}.py") for n in "abc"}})
+    assert _cycles(["pet.engine", "pet.engine.a", "pet.engine.b", "pet.engine.c"]) == [["pet.engine.a", "pet.engine.b"]]
+    assert _imports("pet.engine.a")[1] == [(4, "pet.engine.c")]
