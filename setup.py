@@ -2,11 +2,12 @@
 from setuptools import find_packages, setup
 
 # Optional features stay out of the base install; "test" pulls them all in so the suite
-# exercises them for real (offline W&B, a local MLflow store, faster-coco-eval).
+# exercises them for real (offline W&B, a local MLflow store, onnxruntime on CPU).
 _OPTIONAL = {
     "wandb": ["wandb>=0.31,<1"],
     "mlflow": ["mlflow-skinny>=3.17,<4", "sqlalchemy>=1.4,<3", "alembic>=1.8,!=1.10.0,<2"],
     "fast-eval": ["faster-coco-eval>=1.8"],
+    "export": ["onnx>=1.16", "onnxscript>=0.2", "onnxruntime>=1.18"],
 }
 _EXTRAS = {
     **_OPTIONAL,

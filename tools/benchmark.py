@@ -6,6 +6,8 @@
                                      [--threads N] [--iters 1] [--repeats 3] [--out FILE]
     python tools/benchmark.py infer  [the same options as train]
     python tools/benchmark.py data   [--workers 0 1] [--batches 40] [--repeats 5] [--out FILE]
+    python tools/benchmark.py onnx   [--arch demo faster_rcnn retinanet fcos mask_rcnn] [--size 800 1333] [--batch 1]
+                                     [--threads N] [--iters 1] [--repeats 3] [--out FILE]
     python tools/benchmark.py coco-eval [--images 5000] [--classes 80] [--tasks bbox segm] [--repeats 3] [--out FILE]
 
 engine: Pet's Trainer overhead per iteration over a plain loop and MMEngine's Runner
@@ -14,6 +16,7 @@ weights, inputs, precision and memory format (tools/benchmarks/detectors.py). da
 training loader against PIL + torchvision.transforms.v2 (tools/benchmarks/data.py). coco-eval: one
 COCO evaluation with pycocotools against faster-coco-eval on a synthetic COCO-sized set
 (tools/benchmarks/coco_eval.py).
+onnx: Pet's PyTorch models against their ONNX exports in onnxruntime (tools/benchmarks/onnx.py).
 Every table starts with the machine's fingerprint, which the JSON keeps with the command.
 """
 from __future__ import annotations
@@ -27,7 +30,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from benchmarks import coco_eval, data, detectors, engine  # noqa: E402
+
+from benchmarks import coco_eval, data, detectors, engine, onnx  # noqa: E402
 from benchmarks.common import fingerprint  # noqa: E402
 
 
@@ -47,12 +51,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="benchmarks/data.json")
     coco_eval.add_arguments(sub.add_parser("coco-eval", help="COCO evaluation: pycocotools against faster-coco-eval"))
+    onnx.add_arguments(sub.add_parser("onnx", help="PyTorch inference against the ONNX export in onnxruntime"))
     args = parser.parse_args()
-    if args.command in ("train", "infer"):
+    if args.command in ("train", "infer", "onnx"):
         torch.set_num_threads(args.threads)
+    if args.command in ("train", "infer"):
         run = detectors.detectors
     else:
-        run = {"engine": engine.engine, "data": data.data, "coco-eval": coco_eval.coco_eval}[args.command]
+        run = {"engine": engine.engine, "data": data.data, "coco-eval": coco_eval.coco_eval,
+               "onnx": onnx.onnx_vs_pytorch}[args.command]
     machine = fingerprint()
     result = {"command": " ".join(sys.argv), "machine": machine, "date": time.strftime("%Y-%m-%d"),
               **run(args, machine)}

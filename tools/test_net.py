@@ -3,11 +3,15 @@
 Weights: TEST.WEIGHTS, or CKPT/model_final.pth when it is empty. Writes CKPT/test/
 (bbox.json, metrics.json with the COCO metrics and the speed summary, vis/ with --vis N).
 ``--eval-only-results FILE`` scores a saved results file instead, without the model.
+``--backend onnxruntime --model FILE`` evaluates an ONNX export (tools/export.py) in onnxruntime
+instead, through the same loop, evaluator and timers, in float32.
 """
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
 
 from pet.engine.build import build_test_hooks  # noqa: E402
 from pet.engine.common import flatten_metrics  # noqa: E402
@@ -43,19 +47,38 @@ def rescore(cfg, results_file: str, output_dir: str) -> None:
                           {"results_file": os.path.abspath(results_file), "metrics": metrics})
 
 
+def load_model(cfg, args):
+    """The PyTorch model with its weights, or with ``--backend onnxruntime`` the ``--model`` ONNX file's session."""
+    if args.backend == "pytorch":
+        if args.model:
+            raise ConfigError("--model names the ONNX file of --backend onnxruntime; the PyTorch model's weights "
+                              "come from TEST.WEIGHTS.")
+        return build_test_model(cfg, unsafe=args.unsafe_load)
+    if not args.model:
+        raise ConfigError("--backend onnxruntime needs --model FILE, an ONNX file written by tools/export.py.")
+    from pet.deploy.onnxruntime_model import OnnxRuntimeModel  # only this backend needs onnxruntime installed
+
+    return OnnxRuntimeModel(args.model, threads=torch.get_num_threads())  # the threads PyTorch would use
+
+
 def main() -> None:
     parser = default_argument_parser("Evaluate a detector with Pet")
     parser.add_argument("--eval-only-results", metavar="FILE",
                         help="score a saved COCO results file (e.g. CKPT/test/bbox.json) without running the model")
     parser.add_argument("--vis", type=int, default=0, metavar="N",
                         help="draw detections over ground truth on the first N test images into CKPT/test/vis/")
+    parser.add_argument("--backend", choices=("pytorch", "onnxruntime"), default="pytorch",
+                        help="run the PyTorch model, or an ONNX export of it in onnxruntime (needs --model)")
+    parser.add_argument("--model", default="", metavar="FILE", help="the ONNX file for --backend onnxruntime")
     args = parser.parse_args()
-    cfg = default_setup(args.cfg_file, args.opts, args.local_rank)
+    # onnxruntime computes in float32 whatever TEST.AMP says; the log then says so too.
+    opts = [*args.opts, "TEST.AMP.ENABLED", "False"] if args.backend == "onnxruntime" else args.opts
+    cfg = default_setup(args.cfg_file, opts, args.local_rank)
     output_dir = os.path.join(cfg.CKPT, "test")
     if args.eval_only_results:
         rescore(cfg, args.eval_only_results, output_dir)
         return
-    model = build_test_model(cfg, unsafe=args.unsafe_load)
+    model = load_model(cfg, args)
     test_hook, hooks = build_test_hooks(cfg, args.cfg_file)
     if args.vis > 0:
         hooks.append(DetectionVisualizer(cfg.CKPT, num_images=args.vis))

@@ -1,0 +1,67 @@
+"""An exported Pet detector run by onnxruntime, behind the PyTorch model's interface.
+
+:class:`OnnxRuntimeModel` is an ``nn.Module`` whose ``forward(images, targets)`` takes the test loader's
+batches and returns what the PyTorch model returns in eval mode, per image ``{"boxes", "scores", "labels"}``
+(and ``"masks"``) in original-image pixels. So ``pet.engine.inference.inference_on_dataset``, the COCO
+evaluator, TestHook and any test callback use it unchanged (``tools/test_net.py --backend onnxruntime``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnxruntime
+import torch
+from torch import Tensor
+
+from pet.modeling.postprocess import detections_to_original
+from pet.modeling.preprocess import image_sizes
+from pet.utils.errors import PetError
+
+__all__ = ["OnnxRuntimeModel"]
+
+
+class OnnxRuntimeModel(torch.nn.Module):
+    """An ONNX file written by :func:`pet.deploy.onnx.export_onnx`, run by an onnxruntime CPU session.
+
+    The graph computes everything up to the final detections in the network input's pixels; ``forward``
+    then splits them by image and maps them to the original images with
+    :func:`pet.modeling.postprocess.detections_to_original`, which scales and clips the boxes and pastes the
+    masks' probabilities into their boxes, exactly as the PyTorch model ends its forward. It has no
+    parameters: the engine then runs it on the CPU. It only infers: it starts in eval mode, and training mode
+    is an error.
+
+    ``threads``: onnxruntime's intra-op threads (0: its default, one per core).
+    """
+
+    def __init__(self, path: str, threads: int = 0) -> None:
+        super().__init__()
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = threads
+        try:
+            self.session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime raises its own exception types for a missing or invalid file
+            raise PetError(f"Cannot load the ONNX model {path}: {exc}") from exc
+        self.path = path
+        self.output_names = [output.name for output in self.session.get_outputs()]
+        self.min_image_size = int(self.session.get_modelmeta().custom_metadata_map.get("pet.min_image_size", 1))
+        self.eval()
+
+    def forward(self, images: Tensor, targets: list[dict[str, Any]]) -> list[dict[str, Tensor]]:
+        if self.training:
+            raise PetError("An ONNX model only infers: call .eval() (the test loop does).")
+        with torch.autocast("cpu", enabled=False):  # mask pasting in float32, as the graph computed
+            return detections_to_original(self.network_detections(images, targets), targets)
+
+    def network_detections(self, images: Tensor, targets: list[dict[str, Any]]) -> list[dict[str, Tensor]]:
+        """The graph's detections split by image: boxes in the network input's pixels, masks (Mask R-CNN) as
+        ``[N, 1, M, M]`` probabilities, as the PyTorch model's RoI heads give them before its last step."""
+        sizes = image_sizes(targets)
+        if min(images.shape[-2:]) < self.min_image_size:
+            raise PetError(f"{self.path} takes padded images of at least {self.min_image_size} px a side (so that "
+                           f"every feature map is larger than 1 cell); this batch is {tuple(images.shape[-2:])} px.")
+        outputs = self.session.run(None, {"images": images.cpu().contiguous().numpy(),
+                                          "image_sizes": np.asarray(sizes, dtype=np.int64).reshape(-1, 2)})
+        named = {name: torch.from_numpy(value) for name, value in zip(self.output_names, outputs)}
+        counts = torch.bincount(named.pop("image_index"), minlength=len(targets)).tolist()
+        return [dict(zip(named, parts)) for parts in zip(*(value.split(counts) for value in named.values()))]

@@ -1,0 +1,283 @@
+"""ONNX export (pet/deploy, tools/export.py): each detector exports with a dynamic batch, height and width and its
+post-processing inside; onnxruntime then gives the PyTorch model's detections, a blank image gives none, the parity
+gate rejects a perturbed graph, and a module that cannot be exported is named with its operation.
+
+The models are the shapes configs made tiny (ResNet-18 stages up to 3 or 4, three FPN levels, narrow heads), with
+random weights whose normalisation statistics are random but not trivial, the classifier rescaled so scores vary
+from image to image, and the score threshold set just above the blank image's best score. The four exports run
+through tools/export.py (export, then its own parity gate) as parallel processes, once for the module.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import cv2
+import numpy as np
+import onnx
+import pytest
+import torch
+from helpers import CFGS, ROOT, custom_datasets, run_tool
+from torchvision.ops import FrozenBatchNorm2d
+
+from pet.config import load_cfg
+from pet.data import DatasetMapper, collate_batch, read_image
+from pet.deploy.onnx import ExportError, export_onnx, to_onnx
+from pet.deploy.onnxruntime_model import OnnxRuntimeModel
+from pet.deploy.parity import check_parity, parity_batches
+from pet.modeling import build_model
+from pet.modeling.registry import ROI_BOX_HEAD_REGISTRY
+from pet.modeling.roi_heads import TwoMLPHead
+
+
+@dataclass(frozen=True)
+class Arch:
+    config: str  # under cfgs/shapes/
+    opts: tuple[str, ...]  # what makes it tiny
+    score_key: str  # its score threshold
+    classifier: str  # the layer whose outputs are rescaled to vary
+
+
+_TWO_STAGE = ("MODEL.FPN.RETURNED_LAYERS", "[2, 3]", "MODEL.RPN.ANCHOR_SIZES", "[[32], [64], [128]]",
+              "MODEL.FPN.OUT_CHANNELS", "32", "MODEL.ROI_BOX_HEAD.MLP_DIM", "64",
+              "MODEL.RPN.PRE_NMS_TOPK_TEST", "200", "MODEL.RPN.POST_NMS_TOPK_TEST", "100")
+ARCHS = {
+    "faster_rcnn": Arch("faster_rcnn_R-18-FPN.yaml", _TWO_STAGE, "MODEL.ROI_HEADS.SCORE_THRESH_TEST",
+                        "roi_heads.box_predictor.cls_score"),
+    "mask_rcnn": Arch("mask_rcnn_R-18-FPN.yaml", (*_TWO_STAGE, "MODEL.ROI_MASK_HEAD.NUM_CONV", "1",
+                                                  "MODEL.ROI_MASK_HEAD.CONV_DIM", "32"),
+                      "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "roi_heads.box_predictor.cls_score"),
+    "retinanet": Arch("retinanet_R-18-FPN.yaml", ("MODEL.FPN.RETURNED_LAYERS", "[4]", "MODEL.FPN.OUT_CHANNELS", "32",
+                                                  "MODEL.RETINANET.ANCHOR_SIZES", "[[32], [64], [128]]",
+                                                  "MODEL.RETINANET.HEAD_NORM", "''"),
+                      "MODEL.RETINANET.SCORE_THRESH_TEST", "head.classification_head.cls_logits"),
+    "fcos": Arch("fcos_R-18-FPN.yaml", ("MODEL.FPN.RETURNED_LAYERS", "[4]", "MODEL.FPN.OUT_CHANNELS", "64",
+                                        "MODEL.FCOS.NUM_CONVS", "1"),
+                 "MODEL.FCOS.SCORE_THRESH_TEST", "head.classification_head.cls_logits"),
+}
+
+
+@dataclass
+class Export:
+    cfg_file: str
+    opts: list[str]  # the tiny architecture, its score threshold, the test set, CKPT
+    weights: str
+    model: torch.nn.Module  # the PyTorch model, with the weights
+    onnx_file: str
+    run: subprocess.CompletedProcess  # tools/export.py's
+
+
+def randomize_norms(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random but non-trivial statistics and affine parameters in every BatchNorm and GroupNorm."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (torch.nn.BatchNorm2d, FrozenBatchNorm2d, torch.nn.GroupNorm)):
+                n = module.weight.numel()
+                module.weight.copy_(0.5 + torch.rand(n, generator=gen))
+                module.bias.copy_(0.2 * torch.randn(n, generator=gen))
+            if isinstance(module, (torch.nn.BatchNorm2d, FrozenBatchNorm2d)):
+                module.running_mean.copy_(0.2 * torch.randn(module.num_features, generator=gen))
+                module.running_var.copy_(0.5 + 1.5 * torch.rand(module.num_features, generator=gen))
+
+
+def rescale_output(model: torch.nn.Module, layer: str, batch) -> None:
+    """Scale ``layer``'s weight so its outputs less the bias have std 1 on ``batch`` (scores then vary across
+    images; torchvision initialises classifiers to give every location the prior)."""
+    module = model.get_submodule(layer)
+    outputs = []
+
+    def record(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        outputs.append(output)
+
+    handle = module.register_forward_hook(record)
+    with torch.no_grad():
+        model(*batch)
+        handle.remove()
+        out = outputs[0]
+        module.weight.mul_(1 / (out - module.bias.view(1, -1, *([1] * (out.dim() - 2)))).std())
+
+
+def tiny_model(arch: str, cfg_file: str, opts: list[str], weights: str) -> list[str]:
+    """Build ``arch``'s tiny model with random weights, save them to ``weights``; returns its opts with the score
+    threshold just above the best score on the parity gate's blank image."""
+    spec = ARCHS[arch]
+    cfg = load_cfg(cfg_file, [*opts, spec.score_key, "0.0"])
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    randomize_norms(model)
+    batches = parity_batches(cfg)
+    rescale_output(model, spec.classifier, batches[0])
+    with torch.no_grad():
+        blank = model(*batches[-1])[0]["scores"].max().item()
+    torch.save(model.state_dict(), weights)
+    return [*opts, spec.score_key, f"{blank + 1e-3:.6f}"]
+
+
+def pytorch_model(cfg_file: str, opts: list[str], weights: str) -> torch.nn.Module:
+    model = build_model(load_cfg(cfg_file, opts)).eval()
+    model.load_state_dict(torch.load(weights, weights_only=True))
+    return model
+
+
+def start_export(cfg_file: str, opts: list[str], weights: str, output: str, *extra: str) -> subprocess.Popen:
+    """tools/export.py in its own process (one OpenMP thread), output captured."""
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "export.py"), "--cfg", cfg_file,
+                             "--weights", weights, "--output", output, *extra, *opts],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    stdout, stderr = proc.communicate(timeout=900)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, shapes_root) -> dict[str, Export]:
+    """Every architecture exported by tools/export.py, the four exports running side by side."""
+    root = tmp_path_factory.mktemp("export")
+    data = ["DATA.CUSTOM", custom_datasets(("export_val", f"{shapes_root}/annotations/val.json", f"{shapes_root}/val")),
+            "TEST.DATASETS", "('export_val',)", "CKPT", str(root / "ckpt")]
+    jobs = {}
+    try:
+        for arch, spec in ARCHS.items():
+            cfg_file, weights = os.path.join(CFGS, "shapes", spec.config), str(root / f"{arch}.pth")
+            opts = tiny_model(arch, cfg_file, [*spec.opts, *data], weights)
+            onnx_file = str(root / f"{arch}.onnx")
+            jobs[arch] = (cfg_file, opts, weights, onnx_file, start_export(cfg_file, opts, weights, onnx_file))
+    except BaseException:
+        for *_, proc in jobs.values():
+            proc.kill()
+        raise
+    return {arch: Export(cfg_file, opts, weights, pytorch_model(cfg_file, opts, weights), onnx_file, finish(proc))
+            for arch, (cfg_file, opts, weights, onnx_file, proc) in jobs.items()}
+
+
+def test_tools_export_writes_a_graph_with_dynamic_batch_and_size_and_its_parity_gate_passes(exports):
+    for arch, export in exports.items():
+        assert export.run.returncode == 0, f"{arch}:\n{export.run.stdout[-2000:]}\n{export.run.stderr[-3000:]}"
+        assert "Parity gate passed" in export.run.stdout and "largest differences" in export.run.stdout
+        images = onnx.load(export.onnx_file).graph.input[0]
+        dims = images.type.tensor_type.shape.dim
+        assert [bool(dims[i].dim_param) for i in range(4)] == [True, False, True, True], arch
+
+
+def _val_batch(cfg, shapes_root: str, indices: list[int], scale: float = 1.0):
+    """Validation images ``indices`` of the shapes set, resized by ``scale``, as the test loader batches them."""
+    mapper = DatasetMapper.from_config(cfg, is_train=False)
+    samples = []
+    for i in indices:
+        image = read_image(os.path.join(shapes_root, "val", sorted(os.listdir(os.path.join(shapes_root, "val")))[i]))
+        image = cv2.resize(image, None, fx=scale, fy=scale, interpolation=cv2.INTER_LINEAR)
+        record = {"image_id": i + 1, "boxes": np.zeros((0, 4), dtype=np.float32), "labels": []}
+        samples.append(mapper(record, image, np.random.default_rng(0)))
+    return collate_batch(samples, cfg.INPUT.SIZE_DIVISIBILITY)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_onnxruntime_gives_the_pytorch_detections_at_two_sizes_in_batches_of_two(exports, shapes_root, arch):
+    export = exports[arch]
+    cfg = load_cfg(export.cfg_file, export.opts)
+    batches = [_val_batch(cfg, shapes_root, [2, 3]), _val_batch(cfg, shapes_root, [4, 5], scale=0.7)]
+    assert batches[0][0].shape[0] == 2 and batches[0][0].shape[-2:] != batches[1][0].shape[-2:]
+    report = check_parity(export.model, OnnxRuntimeModel(export.onnx_file), batches)
+    assert report.images == 4 and report.detections > 0
+    assert report.box_fraction <= 1e-3 and report.score <= 1e-4
+    assert (report.mask_iou is not None) == (arch == "mask_rcnn") and (report.mask_iou or 1.0) >= 0.99
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_blank_image_yields_zero_detections_without_error(exports, arch):
+    export = exports[arch]
+    cfg = load_cfg(export.cfg_file, export.opts)
+    mapper = DatasetMapper.from_config(cfg, is_train=False)
+    blank = mapper({"image_id": 1, "boxes": np.zeros((0, 4), dtype=np.float32), "labels": []},
+                   np.full((200, 240, 3), 127, dtype=np.uint8), np.random.default_rng(0))
+    images, targets = collate_batch([blank], cfg.INPUT.SIZE_DIVISIBILITY)
+    (detections,) = OnnxRuntimeModel(export.onnx_file)(images, targets)
+    assert {k: tuple(v.shape) for k, v in detections.items()} == {
+        "boxes": (0, 4), "scores": (0,), "labels": (0,), **({"masks": (0, 200, 240)} if arch == "mask_rcnn" else {})}
+
+
+def test_the_gate_rejects_a_perturbed_graph_with_one_line_and_a_non_zero_exit(exports, tmp_path):
+    export = exports["faster_rcnn"]
+    model = onnx.load(export.onnx_file)
+    weight = next(t for t in model.graph.initializer if t.name == "roi_heads.box_predictor.cls_score.weight")
+    values = onnx.numpy_helper.to_array(weight)
+    weight.CopyFrom(onnx.numpy_helper.from_array(values * 1.01, weight.name))  # 1% off: scores move by ~1e-3
+    perturbed = str(tmp_path / "perturbed.onnx")
+    onnx.save(model, perturbed)
+    run = finish(start_export(export.cfg_file, export.opts, export.weights, perturbed, "--check-only"))
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: {perturbed} disagrees with the PyTorch model")
+    assert "largest differences" in lines[0] and "Parity gate passed" not in run.stdout
+
+
+def test_test_net_evaluates_the_export_through_the_same_loop_evaluator_and_timers(exports, tmp_path):
+    export = exports["faster_rcnn"]
+    # onnxruntime computes in float32, so the PyTorch run does too (its default is bfloat16 on a CPU with native bf16).
+    opts = [*export.opts, "TEST.WEIGHTS", export.weights, "TEST.IMS_PER_BATCH", "2", "DATA.NUM_WORKERS", "0",
+            "TEST.NUM_WARMUP", "0", "TEST.AMP.ENABLED", "False"]
+    reports = {}
+    for backend, extra in (("pytorch", []), ("onnxruntime", ["--model", export.onnx_file])):
+        run_tool("test_net.py", "--cfg", export.cfg_file, "--backend", backend, *extra, *opts,
+                 "CKPT", str(tmp_path / backend))
+        with open(tmp_path / backend / "test" / "metrics.json") as f:
+            reports[backend] = json.load(f)
+    assert reports["onnxruntime"]["metrics"] == pytest.approx(reports["pytorch"]["metrics"], abs=1e-4, nan_ok=True)
+    assert {"iter", "data", "infer", "post", "images_per_second"} <= set(reports["onnxruntime"]["speed"])
+    assert reports["onnxruntime"]["speed"]["timed_iters"] == reports["pytorch"]["speed"]["timed_iters"]
+
+
+@torch.library.custom_op("pet_export_test::shift", mutates_args=())
+def _shift(x: torch.Tensor) -> torch.Tensor:
+    """An operation with an eager kernel only: torch.export cannot trace it (no fake implementation)."""
+    return x + 1
+
+
+@torch.library.custom_op("pet_export_test::double", mutates_args=())
+def _double(x: torch.Tensor) -> torch.Tensor:
+    """An operation torch.export traces (it has a fake implementation) but ONNX has no translation for."""
+    return x * 2
+
+
+@_double.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@ROI_BOX_HEAD_REGISTRY.register()
+class ShiftedMLPHead(TwoMLPHead):
+    """A user's box head calling an operation torch.export cannot trace."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _shift(super().forward(x))
+
+
+def test_a_custom_box_head_that_cannot_be_traced_is_named_with_its_operation(exports, tmp_path):
+    export = exports["faster_rcnn"]
+    cfg_file, opts = export.cfg_file, [*export.opts, "MODEL.ROI_BOX_HEAD.NAME", "ShiftedMLPHead"]
+    model = pytorch_model(cfg_file, opts, export.weights)
+    with pytest.raises(ExportError) as error:
+        export_onnx(model, parity_batches(load_cfg(cfg_file, opts))[0], str(tmp_path / "model.onnx"))
+    message = str(error.value)
+    assert message.startswith("Cannot export roi_heads.box_head (ShiftedMLPHead) to ONNX")
+    assert "pet_export_test" in message and "shift" in message
+
+
+def test_an_operation_without_an_onnx_translation_is_named_with_the_module_calling_it():
+    class Doubler(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return _double(x)
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.Sequential(Doubler()))
+    with pytest.raises(ExportError) as error:
+        to_onnx(model, (torch.randn(1, 3, 8, 8),), {"input": {}}, ["input"], ["output"])
+    message = str(error.value)
+    assert message.startswith("Cannot export 1.0 (Doubler) to ONNX")
+    assert "operation pet_export_test::double" in message and "test_export.py" in message

@@ -1,0 +1,68 @@
+"""Export a detector to ONNX and check it: python tools/export.py --cfg FILE [--weights W] [--output FILE]
+[--check-only] [KEY VALUE ...]
+
+Writes an ONNX graph with a dynamic batch, height and width and the whole post-processing inside
+(pet/deploy/onnx.py says what it takes and returns), then runs the parity gate: the PyTorch model and
+the ONNX model in onnxruntime detect on the first test images at several sizes and a blank image, and
+must agree within the tolerances it prints (boxes within 1e-3 of the image size, scores within 1e-4,
+labels equal, mask IoU >= 0.99). Success is reported only then; a disagreement is one line and exit
+status 2. ``--check-only`` runs the gate on an existing ``--output`` file. Weights: --weights, else
+TEST.WEIGHTS, else CKPT/model_final.pth. Default output: CKPT/model.onnx.
+"""
+import argparse
+import logging
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from pet.config import load_cfg  # noqa: E402
+from pet.deploy.onnx import export_onnx  # noqa: E402
+from pet.deploy.onnxruntime_model import OnnxRuntimeModel  # noqa: E402
+from pet.deploy.parity import check_parity, parity_batches  # noqa: E402
+from pet.engine.defaults import launch_cli  # noqa: E402
+from pet.modeling import build_model  # noqa: E402
+from pet.utils.logger import setup_logger  # noqa: E402
+from pet.utils.weights import load_weights  # noqa: E402
+
+logger = logging.getLogger("pet.tools.export")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Export a detector to ONNX and check it against PyTorch.")
+    parser.add_argument("--cfg", dest="cfg_file", required=True, metavar="FILE", help="YAML config file")
+    parser.add_argument("--weights", default="", metavar="FILE",
+                        help="weights to export (default: TEST.WEIGHTS, else CKPT/model_final.pth)")
+    parser.add_argument("--output", default="", metavar="FILE", help="ONNX file to write (default: CKPT/model.onnx)")
+    parser.add_argument("--check-only", action="store_true", help="only run the parity gate on the --output file")
+    parser.add_argument("--unsafe-load", action="store_true",
+                        help="load the weights with weights_only=False (only for files you trust)")
+    parser.add_argument("opts", nargs=argparse.REMAINDER, metavar="KEY VALUE", help="config overrides")
+    args = parser.parse_args()
+    setup_logger()  # terminal only: an export leaves the run's log.txt alone
+    cfg = load_cfg(args.cfg_file, args.opts)
+    output = args.output or os.path.join(cfg.CKPT, "model.onnx")
+
+    model = build_model(cfg)
+    load_weights(model, args.weights or cfg.TEST.WEIGHTS or os.path.join(cfg.CKPT, "model_final.pth"),
+                 unsafe=args.unsafe_load)
+    model.eval()
+    batches = parity_batches(cfg)
+    if not args.check_only:
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        start = time.perf_counter()
+        with torch.no_grad():
+            export_onnx(model, batches[0], output)
+        logger.info(f"Exported {type(model).__name__} to {output} ({os.path.getsize(output) / 2**20:.1f} MB) "
+                    f"in {time.perf_counter() - start:.0f} s")
+    report = check_parity(model, OnnxRuntimeModel(output), batches)
+    logger.info(f"Parity gate passed: {report.summary()}")
+    logger.info(f"{output} gives the PyTorch model's detections; evaluate it with tools/test_net.py --cfg "
+                f"{args.cfg_file} --backend onnxruntime --model {output}")
+
+
+if __name__ == "__main__":
+    launch_cli(main)
