@@ -27,8 +27,9 @@ from pet.config import load_cfg
 from pet.data import DatasetMapper, collate_batch, read_image
 from pet.deploy.onnx import ExportError, export_onnx, to_onnx
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel
-from pet.deploy.parity import check_parity, parity_batches
+from pet.deploy.parity import ParityError, check_parity, parity_batches
 from pet.modeling import build_model
+from pet.modeling.preprocess import image_sizes
 from pet.modeling.registry import ROI_BOX_HEAD_REGISTRY
 from pet.modeling.roi_heads import TwoMLPHead
 
@@ -188,6 +189,34 @@ def test_onnxruntime_gives_the_pytorch_detections_at_two_sizes_in_batches_of_two
     assert report.images == 4 and report.detections > 0
     assert report.box_fraction <= 1e-3 and report.score <= 1e-4
     assert (report.mask_iou is not None) == (arch == "mask_rcnn") and (report.mask_iou or 1.0) >= 0.99
+
+
+class _Shifted:
+    """An ONNX model whose boxes move by ``box`` x the image's longer side and whose scores move by ``score``."""
+
+    def __init__(self, onnx_model: OnnxRuntimeModel, box: float = 0.0, score: float = 0.0) -> None:
+        self.onnx_model, self.box, self.score, self.path = onnx_model, box, score, onnx_model.path
+
+    def network_detections(self, images, targets):
+        detections = self.onnx_model.network_detections(images, targets)
+        for detection, size in zip(detections, image_sizes(targets)):
+            # In the network input's pixels: scaled to the original image, the shift is box x its longer side.
+            detection["boxes"] = detection["boxes"] + self.box * max(size)
+            detection["scores"] = detection["scores"] + self.score
+        return detections
+
+
+@pytest.mark.parametrize("shift, passes", [({"box": 3e-4}, True), ({"box": 3e-3}, False),
+                                           ({"score": 3e-5}, True), ({"score": 3e-4}, False)])
+def test_the_gate_holds_its_stated_box_and_score_tolerances(exports, shapes_root, shift, passes):
+    export = exports["faster_rcnn"]
+    batches = [_val_batch(load_cfg(export.cfg_file, export.opts), shapes_root, [2, 3])]
+    onnx_model = _Shifted(OnnxRuntimeModel(export.onnx_file), **shift)
+    if passes:
+        assert check_parity(export.model, onnx_model, batches).detections > 0
+    else:
+        with pytest.raises(ParityError, match="disagrees with the PyTorch model"):
+            check_parity(export.model, onnx_model, batches)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

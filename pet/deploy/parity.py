@@ -111,7 +111,8 @@ def check_parity(model: torch.nn.Module, onnx_model: OnnxRuntimeModel, batches: 
     One exception: on a uniform region (the blank image) many translated copies of a box score within float
     rounding of each other, and NMS keeps whichever the runtime's last bit favours. A detection left without a
     partner therefore pairs with a leftover one of the same label, score (within tolerance) and width and height
-    (within the box tolerance): a translated near-tie, counted in the report; and what such a swap pushes out of
+    (within the box tolerance): a translated near-tie, counted in the report, at most one per ten detections of an
+image (at least one), so that boxes shifted as a whole do not pass as near-ties; and what such a swap pushes out of
     (or into) the list is accepted when its score is within the score tolerance of a cut-off: the score
     threshold or, on an image at the per-image cap, the other side's lowest score. Anything else raises
     :class:`ParityError`, whose message has the report.
@@ -213,11 +214,13 @@ def _compare_image(report: ParityReport, ref: dict[str, Tensor], ours: dict[str,
             if iou < tol.mask_iou:
                 return f"detection {i} (label {int(ref['labels'][i])}) has a mask of IoU {iou:.4f} with onnxruntime's"
     unpaired = []
+    ties_allowed = max(1, len(ref["boxes"]) // 10)  # a near-tie is a rare swap, not a shift of every box
     for i in leftover:
         size = (_sizes(ours["boxes"]) - _sizes(ref["boxes"][i : i + 1])).abs().amax(dim=1)
         score = (ours["scores"] - ref["scores"][i]).abs()
         tie = free & (ours["labels"] == ref["labels"][i]) & (score <= tol.score) & (size <= box_tol)
-        if tie.any():
+        if tie.any() and ties_allowed > 0:
+            ties_allowed -= 1
             free[int(tie.nonzero()[0])] = False
             report.near_ties += 1
         else:
