@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ToyModel
+import torch.distributed as dist
+from conftest import ToyModel, run_two_ranks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from pet.config import load_cfg
 from pet.engine.events import read_metrics
 from pet.engine.trainer import Trainer
 
@@ -57,3 +60,44 @@ def test_hooks_and_writers_count_optimizer_steps(make_cfg):
     records = read_metrics(f"{cfg.CKPT}/metrics.json")
     assert [r["iteration"] for r in records] == [1, 2, 3, 4]
     assert [r["lr"] for r in records] == pytest.approx([0.05, 0.05, 0.005, 0.005])
+
+
+def _one_iteration_cfg(ckpt: str, accum_steps: int):
+    return load_cfg(None, ["CKPT", ckpt, "DEVICE", "cpu", "SOLVER.MAX_ITER", "1", "SOLVER.WARMUP_ITERS", "0",
+                           "SOLVER.ACCUM_STEPS", str(accum_steps), "SOLVER.AMP.ENABLED", "False",
+                           "TRAIN.AUTO_RESUME", "False", "TRAIN.SAVE_AS_JSON", "False"])
+
+
+def _ddp_accumulation_worker(rank, init_file, queue):
+    """Rank r trains one iteration on images 2r and 2r+1, one per batch, ACCUM_STEPS 2, counting all-reduces."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    x, y = _images(4)
+    torch.manual_seed(0)
+    model = ToyModel()
+    trainer = Trainer(_one_iteration_cfg(f"{init_file}.run", 2), model=model,
+                      optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                      data_loader=[(x[i:i + 1], y[i:i + 1]) for i in (2 * rank, 2 * rank + 1)])
+    all_reduces = []
+
+    def counting_allreduce(state, bucket):
+        all_reduces.append(1)
+        return default_hooks.allreduce_hook(state, bucket)
+
+    trainer.model.register_comm_hook(None, counting_allreduce)
+    trainer.train()
+    queue.put((rank, len(all_reduces), {name: value.tolist() for name, value in model.state_dict().items()}))
+    dist.destroy_process_group()
+
+
+def test_two_processes_accumulating_give_one_large_batch_with_one_all_reduce_per_iteration(tmp_path):
+    """2 processes x 2 accumulated batches of 1 image = one batch of 4: DDP all-reduces once (no_sync on the first)."""
+    x, y = _images(4)
+    torch.manual_seed(0)
+    model = ToyModel()
+    Trainer(_one_iteration_cfg(str(tmp_path / "single"), 1), model=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.05), data_loader=[(x, y)]).train()
+    for rank, all_reduces, weights in run_two_ranks(_ddp_accumulation_worker, tmp_path / "init", timeout=120):
+        assert all_reduces == 1, rank
+        for name, value in model.state_dict().items():
+            assert torch.allclose(torch.tensor(weights[name]), value, atol=1e-5, rtol=0), (rank, name)
