@@ -207,6 +207,7 @@ class MLflowWriter(TrackerWriter):
         final_files: Sequence[str] = ("curves.png",),
     ) -> None:
         try:
+            from mlflow.entities import Metric, Param
             from mlflow.tracking import MlflowClient
         except ImportError as exc:
             raise ConfigError(_missing_extra("MLflowWriter", "mlflow", exc)) from exc
@@ -221,27 +222,23 @@ class MLflowWriter(TrackerWriter):
         self.run_name = run_name
         self.tags = {str(key): str(value) for key, value in (tags or {}).items()}
         self.artifact_location = artifact_location
-        self._client_class = MlflowClient
+        self._client_class, self._metric, self._param = MlflowClient, Metric, Param
         self._client: Any = None
         self._run_id = ""
 
     def start_run(self, config: dict[str, Any]) -> None:
-        from mlflow.entities import Param
-
         client = self._client_class(tracking_uri=self.tracking_uri)
         experiment = client.get_experiment_by_name(self.experiment_name)
         experiment_id = (experiment.experiment_id if experiment is not None
                          else client.create_experiment(self.experiment_name, artifact_location=self.artifact_location))
         run = client.create_run(experiment_id, run_name=self.run_name, tags=self.tags)
         self._client, self._run_id = client, run.info.run_id
-        client.log_batch(self._run_id, params=[Param(key, value) for key, value in _flat_params(config).items()])
+        client.log_batch(self._run_id, params=[self._param(key, value) for key, value in _flat_params(config).items()])
         client.log_text(self._run_id, yaml.safe_dump(config, sort_keys=False), "config.yaml")
 
     def log_scalars(self, scalars: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
-
         now_ms = int(time.time() * 1000)
-        metrics = [Metric(_mlflow_name(name), value, now_ms, step) for name, value in scalars.items()]
+        metrics = [self._metric(_mlflow_name(name), value, now_ms, step) for name, value in scalars.items()]
         self._client.log_batch(self._run_id, metrics=metrics)
 
     def log_file(self, path: str) -> None:
