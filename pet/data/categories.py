@@ -1,0 +1,107 @@
+"""What a detector's class outputs mean: :class:`LabelSpace` maps label ``L`` (row ``L`` of the class
+head; 0 is background) to a dataset category id and a name.
+
+Two layouts exist (``MODEL.LABEL_SPACE``):
+
+- ``contiguous`` (default): the K categories of the training set, sorted by id, are labels 1..K, so the
+  head has exactly one row per class (Detectron2's and MMDetection's layout).
+- ``category_id``: label L *is* category id L, for L in 1..``MODEL.NUM_CLASSES``; ids the dataset lacks
+  are rows that are never positives. This is the layout of torchvision's COCO models (91 rows: background
+  plus ids 1..90, ten of them unused), so their weights load row for row and their scores stay theirs
+  (dropping rows would change every softmax).
+
+A label space travels with a model (checkpoints and ONNX exports record :meth:`LabelSpace.to_list`), so a
+model can name its detections without the dataset it was trained on.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pet.utils.errors import ConfigError
+
+__all__ = ["LabelSpace", "LABEL_SPACES"]
+
+LABEL_SPACES = ("contiguous", "category_id")
+
+
+@dataclass(frozen=True)
+class LabelSpace:
+    """Label ``L`` (1-based) is category ``category_ids[L - 1]`` named ``names[L - 1]``."""
+
+    category_ids: tuple[int, ...]
+    names: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.category_ids) != len(self.names):
+            raise ValueError(f"{len(self.category_ids)} category ids but {len(self.names)} names")
+        if len(set(self.category_ids)) != len(self.category_ids):
+            raise ValueError(f"category ids repeat: {list(self.category_ids)}")
+
+    @classmethod
+    def contiguous(cls, categories: Mapping[int, str]) -> LabelSpace:
+        """Categories ``{id: name}`` sorted by id become labels 1..K."""
+        ids = sorted(categories)
+        return cls(tuple(ids), tuple(str(categories[i]) for i in ids))
+
+    @classmethod
+    def by_category_id(cls, categories: Mapping[int, str], num_classes: int,
+                       fallback_names: Sequence[str] = ()) -> LabelSpace:
+        """Label L is category id L for L in 1..``num_classes``; every id of ``categories`` must fit.
+
+        Names come from ``categories``, else ``fallback_names[L]`` (a list indexed by id, such as
+        torchvision's COCO category list), else ``"class_<L>"``.
+        """
+        too_large = sorted(i for i in categories if not 1 <= i <= num_classes)
+        if too_large:
+            raise ConfigError(f"Category ids {too_large[:5]} do not fit MODEL.LABEL_SPACE category_id with "
+                              f"MODEL.NUM_CLASSES {num_classes} (label L is category id L, 1 <= L <= NUM_CLASSES). "
+                              f"Raise MODEL.NUM_CLASSES to {max(too_large)}, or use MODEL.LABEL_SPACE contiguous.")
+        names = tuple(
+            str(categories[i]) if i in categories
+            else (str(fallback_names[i]) if i < len(fallback_names) else f"class_{i}")
+            for i in range(1, num_classes + 1)
+        )
+        return cls(tuple(range(1, num_classes + 1)), names)
+
+    @classmethod
+    def build(cls, mode: str, categories: Mapping[int, str], num_classes: int,
+              fallback_names: Sequence[str] = ()) -> LabelSpace:
+        """The label space ``MODEL.LABEL_SPACE`` = ``mode`` gives for a dataset's ``categories``."""
+        if mode == "contiguous":
+            return cls.contiguous(categories)
+        if mode == "category_id":
+            return cls.by_category_id(categories, num_classes, fallback_names)
+        raise ConfigError(f"MODEL.LABEL_SPACE must be one of {LABEL_SPACES}, got {mode!r}.")
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.category_ids)
+
+    def category_id(self, label: int) -> int:
+        return self.category_ids[label - 1]
+
+    def name(self, label: int) -> str:
+        return self.names[label - 1]
+
+    @property
+    def label_to_category_id(self) -> dict[int, int]:
+        return {label: cid for label, cid in enumerate(self.category_ids, 1)}
+
+    @property
+    def category_id_to_label(self) -> dict[int, int]:
+        return {cid: label for label, cid in enumerate(self.category_ids, 1)}
+
+    def to_list(self) -> list[dict[str, Any]]:
+        """``[{"label": L, "id": category id, "name": name}, ...]``: what checkpoints and exports record."""
+        return [{"label": label, "id": cid, "name": name}
+                for label, (cid, name) in enumerate(zip(self.category_ids, self.names), 1)]
+
+    @classmethod
+    def from_list(cls, entries: Iterable[Mapping[str, Any]]) -> LabelSpace:
+        """The inverse of :meth:`to_list` (entries in label order)."""
+        entries = sorted(entries, key=lambda e: int(e["label"]))
+        if [int(e["label"]) for e in entries] != list(range(1, len(entries) + 1)):
+            raise ValueError("label space entries must have labels 1..K")
+        return cls(tuple(int(e["id"]) for e in entries), tuple(str(e["name"]) for e in entries))
