@@ -1,8 +1,11 @@
 """Precision chosen from the hardware: SOLVER.AMP / TEST.AMP ``auto``, explicit True / False.
 
-The AVX2-only case is real, not mocked: ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``
-makes torch on an AVX-512 machine report capability AVX2 and no native bfloat16, exactly as
-an AVX2-only CPU does, so the subprocess tests below hold on both kinds of machine.
+The three CPU classes are real, not mocked: on an AVX-512 BF16 machine
+``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` makes torch and oneDNN behave as on an
+AVX2-only CPU, and ``ONEDNN_MAX_CPU_ISA=AVX512_CORE`` as on an AVX-512 CPU without bfloat16
+(Intel Skylake-SP to Ice Lake), so the subprocess tests below hold on every kind of machine
+(on a machine without AVX-512 the caps change nothing and float32 is still the answer).
+The machine's own answer is checked against its flags read independently, from /proc/cpuinfo.
 """
 from __future__ import annotations
 
@@ -17,52 +20,117 @@ from conftest import InfiniteToyLoader, ToyModel
 from pet.config import load_cfg
 from pet.engine import precision as precision_module
 from pet.engine.inference import inference_on_dataset, inference_precision
-from pet.engine.precision import choose_precision, cpu_has_native
+from pet.engine.precision import NativeSupport, choose_precision, cpu_class, cpu_native_support
 from pet.engine.trainer import Trainer
 from pet.utils.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-WARNING = "SOLVER.AMP.ENABLED True asks for bfloat16 autocast, but this CPU has no native bfloat16"
+EMULATIONS = {
+    "AVX2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "AVX-512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+}
+WARNING = "SOLVER.AMP.ENABLED True asks for bfloat16 autocast, which this CPU does not run natively"
 
 
-def train_toy_as_avx2_only(ckpt, *opts: str) -> str:
-    """Train the toy model for 2 iterations in a child that sees an AVX2-only CPU; return its log."""
+def cpuinfo_flags() -> set[str]:
+    """The CPU's flags as the kernel lists them (the first processor's); skips where /proc/cpuinfo is missing."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            line = next(line for line in f if line.startswith("flags"))
+    except (OSError, StopIteration):
+        pytest.skip("the CPU's flags cannot be read here (no /proc/cpuinfo)")
+    return set(line.split(":", 1)[1].split())
+
+
+def child_env(emulation: str) -> dict[str, str]:
+    """This process's environment with only ``emulation``'s caps (none of the caps the suite may run under)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
+    return {**env, **EMULATIONS[emulation]}
+
+
+def train_toy_on(emulation: str, ckpt, *opts: str) -> str:
+    """Train the toy model for 2 iterations in a child that sees ``emulation``'s CPU class; return its log."""
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "tests", "toy_train.py"), "--ckpt", str(ckpt), "--max-iter", "2", *opts],
-        env={**os.environ, **AVX2_ONLY}, capture_output=True, text=True, timeout=300,
+        env=child_env(emulation), capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     with open(os.path.join(ckpt, "log.txt"), encoding="utf-8") as f:
         return f.read()
 
 
-def test_emulated_avx2_cpu_reports_no_native_bf16():
-    """The emulation the tests below rely on: torch itself reports an AVX2-only CPU."""
-    code = ("import torch; from pet.engine.precision import cpu_has_native; "
-            "print(torch.backends.cpu.get_cpu_capability(), cpu_has_native('bfloat16'))")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **AVX2_ONLY}, capture_output=True,
-                         text=True, check=True, cwd=ROOT).stdout.split()
-    assert out == ["AVX2", "False"]
+@pytest.mark.parametrize("emulation", list(EMULATIONS))
+def test_emulated_cpu_classes_report_no_native_bf16(emulation):
+    """The emulations the tests below rely on: torch and Pet see the class they stand for."""
+    code = "from pet.engine.precision import cpu_class, cpu_has_native; print(cpu_class(), cpu_has_native('bfloat16'))"
+    out = subprocess.run([sys.executable, "-c", code], env=child_env(emulation), capture_output=True,
+                         text=True, check=True, cwd=ROOT).stdout.strip()
+    # An AVX2-only machine stays AVX2 under the AVX-512 cap (a cap removes instructions, never adds them).
+    expected = emulation if {"avx512f", "avx512bw"} <= cpuinfo_flags() else "AVX2"
+    assert out == f"{expected} False"
 
 
-def test_auto_trains_in_float32_on_a_cpu_without_native_bf16_and_logs_why(tmp_path):
-    log = train_toy_as_avx2_only(tmp_path / "run")
-    assert ("Training precision: float32 (no autocast): SOLVER.AMP.ENABLED auto and this CPU has no native "
-            "bfloat16 (torch CPU capability AVX2)") in log
+@pytest.mark.parametrize("emulation, because", [
+    ("AVX2", "ONEDNN_MAX_CPU_ISA=AVX2 holds oneDNN below AVX512_CORE_BF16"),
+    ("AVX-512", "ONEDNN_MAX_CPU_ISA=AVX512_CORE holds oneDNN below AVX512_CORE_BF16"),
+])
+def test_auto_trains_in_float32_on_a_cpu_without_native_bf16_and_logs_why(tmp_path, emulation, because):
+    log = train_toy_on(emulation, tmp_path / "run")
+    line = next(line for line in log.splitlines() if "Training precision:" in line)
+    assert "Training precision: float32 (no autocast): SOLVER.AMP.ENABLED auto and this CPU has" in line
+    assert "so bfloat16 would be emulated, many times slower than float32" in line
+    # The reason is the true one: the cap where the CPU has bfloat16 instructions, their absence otherwise.
+    flags = cpuinfo_flags()
+    assert (because if {"avx512_bf16", "amx_tile"} & flags else "this CPU has no AVX512_BF16 or AMX") in line
     assert WARNING not in log
 
 
-def test_explicit_true_on_a_cpu_without_native_bf16_runs_bf16_and_warns_once(tmp_path):
-    log = train_toy_as_avx2_only(tmp_path / "run", "SOLVER.AMP.ENABLED", "True", "TEST.AMP.ENABLED", "False")
+@pytest.mark.parametrize("emulation", list(EMULATIONS))
+def test_explicit_true_on_a_cpu_without_native_bf16_runs_bf16_and_warns_once(tmp_path, emulation):
+    log = train_toy_on(emulation, tmp_path / "run", "SOLVER.AMP.ENABLED", "True", "TEST.AMP.ENABLED", "False")
     assert "Training precision: bfloat16 autocast: SOLVER.AMP.ENABLED True" in log
     assert log.count(WARNING) == 1
     assert "Set SOLVER.AMP.ENABLED auto (or False)" in log
 
 
+BF16 = {"avx512_bf16": True, "amx_tile": False}
+AMX = {"avx512_bf16": False, "amx_tile": True}
+NONE = {"avx512_bf16": False, "amx_tile": False}
+
+
+@pytest.mark.parametrize("flags, capability, env, native", [
+    (BF16, "AVX512", {}, True),
+    (AMX, "AVX512", {}, True),
+    (NONE, "AVX512", {}, False),                                      # Skylake-SP to Ice Lake
+    (NONE, "AVX2", {}, False),                                        # AVX2-only
+    (BF16, "AVX512", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}, False),   # the AVX-512 emulation
+    (BF16, "AVX512", {"ONEDNN_MAX_CPU_ISA": "avx512_core_vnni"}, False),
+    (BF16, "AVX512", {"DNNL_MAX_CPU_ISA": "AVX2"}, False),            # oneDNN's older variable
+    (BF16, "AVX512", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, True),
+    (BF16, "AVX512", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, True),
+    (BF16, "AVX512", {"ONEDNN_MAX_CPU_ISA": "ALL"}, True),
+    (BF16, "AVX2", {}, False),                                        # ATEN_CPU_CAPABILITY=avx2 alone
+    (None, "AVX512", {}, False),                                      # flags unreadable: never assumed
+])
+def test_native_bf16_needs_the_instructions_and_no_cap_below_them(monkeypatch, flags, capability, env, native):
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(precision_module, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    support = cpu_native_support("bfloat16")
+    assert support.native is native, support.reason
+    chosen = choose_precision("auto", "auto", "cpu", training=True)
+    assert chosen.dtype == (torch.bfloat16 if native else None)
+    assert support.reason in chosen.reason
+
+
 @pytest.mark.parametrize("native", [True, False])
-def test_auto_follows_what_torch_reports_on_the_cpu(monkeypatch, native):
-    monkeypatch.setattr(precision_module, "cpu_has_native", lambda dtype: native)
+def test_auto_follows_the_native_support_rule(monkeypatch, native):
+    monkeypatch.setattr(precision_module, "cpu_native_support",
+                        lambda dtype: NativeSupport(dtype, native, "as the test says"))
     chosen = choose_precision("auto", "auto", "cpu", training=True)
     assert chosen.dtype == (torch.bfloat16 if native else None)
     assert not chosen.grad_scaler
@@ -143,7 +211,18 @@ def test_the_train_step_and_the_test_loop_run_under_the_chosen_precision(tmp_pat
     assert evaluator.dtype == (expected or torch.float32)
 
 
-def test_this_machine_gets_what_its_cpu_runs_natively():
-    """On the machine running the suite: auto is bfloat16 exactly when torch reports native bfloat16."""
-    native = cpu_has_native("bfloat16")
-    assert choose_precision("auto", "auto", "cpu", training=True).dtype == (torch.bfloat16 if native else None)
+def test_this_machine_gets_bfloat16_exactly_when_its_own_flags_and_caps_allow_it():
+    """On the machine running the suite, against the kernel's list of CPU flags (not torch's, not Pet's):
+    ``auto`` must pick bfloat16 on a CPU with AVX512_BF16 or AMX unless a cap set for this run holds it
+    below them, and float32 otherwise. "Never bfloat16" fails here on every native-bf16 machine."""
+    flags = cpuinfo_flags()
+    has_instructions = bool({"avx512_bf16", "amx_tile"} & flags)
+    onednn_cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+    keeps_bf16 = onednn_cap in {"ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512",
+                                "AVX512_CORE_AMX", "AVX10_1_512_AMX", "AVX512_CORE_AMX_FP16",
+                                "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2"}
+    aten_capped = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in {"avx2", "avx", "default"}
+    expected = has_instructions and keeps_bf16 and not aten_capped
+    chosen = choose_precision("auto", "auto", "cpu", training=True)
+    assert chosen.dtype == (torch.bfloat16 if expected else None), chosen.reason
+    assert (cpu_class() == "AVX-512 BF16") is expected

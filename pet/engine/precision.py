@@ -1,12 +1,19 @@
 """Which precision a run computes in: bfloat16 or float16 autocast, or float32.
 
 ``SOLVER.AMP`` (training) and ``TEST.AMP`` (inference) default to ``ENABLED: auto``: the
-fastest precision that this hardware runs natively, decided from what torch itself reports
-rather than from a list of CPU names:
+fastest precision that this hardware runs natively, decided from the CPU's own feature flags
+and the instruction-set caps in force, never from a timing probe, so one class of machine
+always gets the same precision (and the same AP):
 
-- CPU: bfloat16 autocast when oneDNN has native bfloat16 kernels on this CPU (AVX512-BF16 or
-  AMX), float32 otherwise. Without native support torch emulates bfloat16, which made the
-  demo ~11x slower than float32 on an AVX2-only CPU.
+- CPU: bfloat16 autocast only where oneDNN runs it with native instructions: the CPU has
+  AVX512_BF16 or AMX (as torch reads them from CPUID), no cap below them is set
+  (``ONEDNN_MAX_CPU_ISA`` / ``DNNL_MAX_CPU_ISA`` under ``AVX512_CORE_BF16``, or
+  ``ATEN_CPU_CAPABILITY`` under AVX512), float32 otherwise. That gives three classes of CPU
+  (:func:`cpu_class`): "AVX2" (most laptops, many cloud VMs), "AVX-512" without bfloat16 (Intel
+  Skylake-SP to Ice Lake) and "AVX-512 BF16" (AMD Zen 4+, Intel Cooper Lake, Sapphire Rapids+).
+  Without native support bfloat16 is emulated: the demo trained 2.3x slower than float32 on
+  AVX-512 without bfloat16 and ~11x on AVX2. (oneDNN's own "bf16 supported" answer is True on
+  AVX-512 without BF16, where it emulates, so it is not the test.)
 - CUDA: float16 autocast, with a gradient scaler when training; bfloat16 (no scaler) when the
   user asks for ``DTYPE: bfloat16`` and the GPU supports it.
 - Anything else: float32.
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +33,7 @@ import torch
 
 from pet.utils.errors import ConfigError
 
-__all__ = ["Precision", "choose_precision", "cpu_has_native"]
+__all__ = ["Precision", "NativeSupport", "choose_precision", "cpu_class", "cpu_has_native", "cpu_native_support"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +66,84 @@ class Precision:
         return f"{kind}: {self.reason}"
 
 
-def cpu_has_native(dtype: str) -> bool:
-    """Whether oneDNN runs ``dtype`` ("bfloat16" or "float16") natively on this CPU, as torch reports it.
+# oneDNN's instruction sets, lowest first (the names ONEDNN_MAX_CPU_ISA takes; aliases share a rank).
+_ONEDNN_ISA_RANK = {
+    "SSE41": 0, "AVX": 1, "AVX2": 2, "AVX2_VNNI": 3, "AVX2_VNNI_2": 4, "AVX512_CORE": 5, "AVX512_CORE_VNNI": 6,
+    "AVX512_CORE_BF16": 7, "AVX512_CORE_FP16": 8, "AVX10_1_512": 8, "AVX512_CORE_AMX": 9, "AVX10_1_512_AMX": 9,
+    "AVX512_CORE_AMX_FP16": 10, "AVX10_1_512_AMX_FP16": 10, "AVX10_2_512": 11, "AVX10_2_512_AMX_2": 12,
+}
+# Per autocast dtype: the CPU flags (any one) that give native kernels, and the lowest oneDNN cap keeping them.
+_FLAG_NAMES = {"avx512_bf16": "AVX512_BF16", "amx_tile": "AMX", "avx512_fp16": "AVX512_FP16", "amx_fp16": "AMX_FP16"}
+_NATIVE = {
+    "bfloat16": (("avx512_bf16", "amx_tile"), "AVX512_CORE_BF16"),
+    "float16": (("avx512_fp16", "amx_fp16"), "AVX512_CORE_FP16"),
+}
 
-    torch's check follows the instruction set oneDNN may use, so ``ONEDNN_MAX_CPU_ISA=AVX2``
-    makes an AVX-512 machine answer as an AVX2-only one would.
+
+@dataclass(frozen=True)
+class NativeSupport:
+    """Whether this CPU runs ``dtype`` natively, and the facts the answer rests on (for the log)."""
+
+    dtype: str
+    native: bool
+    reason: str
+
+
+def cpu_native_support(dtype: str) -> NativeSupport:
+    """Whether ``dtype`` ("bfloat16" or "float16") runs natively here, from the CPU's flags and the ISA caps.
+
+    Flags come from torch's CPUID reader (``torch.cpu`` capabilities: the hardware, whatever the caps);
+    the caps are ``ONEDNN_MAX_CPU_ISA`` (or the older ``DNNL_MAX_CPU_ISA``) for oneDNN's convolutions and
+    matrix products and ``ATEN_CPU_CAPABILITY`` for torch's own kernels. Deterministic: no timing.
     """
-    check = {"bfloat16": torch.ops.mkldnn._is_mkldnn_bf16_supported,
-             "float16": torch.ops.mkldnn._is_mkldnn_fp16_supported}[dtype]
-    return bool(check())
+    wanted, lowest_cap = _NATIVE[dtype]
+    flags = _cpu_flags()
+    capability = torch.backends.cpu.get_cpu_capability()
+    if flags is None:
+        return NativeSupport(dtype, False, "this torch cannot read the CPU's feature flags")
+    present = [_FLAG_NAMES[f] for f in wanted if flags.get(f)]
+    if not present:
+        return NativeSupport(dtype, False, f"this CPU has no {' or '.join(_FLAG_NAMES[f] for f in wanted)} "
+                                           f"(torch CPU capability {capability})")
+    found = " and ".join(present)
+    cap_var = next((v for v in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA") if os.environ.get(v)), None)
+    cap = os.environ[cap_var].strip().upper() if cap_var else ""
+    if cap in _ONEDNN_ISA_RANK and _ONEDNN_ISA_RANK[cap] < _ONEDNN_ISA_RANK[lowest_cap]:
+        return NativeSupport(dtype, False, f"this CPU has {found}, but {cap_var}={cap} holds oneDNN below "
+                                           f"{lowest_cap}")
+    if not capability.startswith("AVX512"):
+        return NativeSupport(dtype, False, f"this CPU has {found}, but torch's own kernels are held to "
+                                           f"{capability} (ATEN_CPU_CAPABILITY)")
+    capped = f", {cap_var}={cap}" if cap_var else ""
+    return NativeSupport(dtype, True, f"this CPU has {found} (torch CPU capability {capability}{capped})")
+
+
+def cpu_has_native(dtype: str) -> bool:
+    """Whether ``dtype`` ("bfloat16" or "float16") runs natively on this CPU (see :func:`cpu_native_support`)."""
+    return cpu_native_support(dtype).native
+
+
+def cpu_class() -> str:
+    """This CPU's class for speed figures: "AVX-512 BF16", "AVX-512" (no native bfloat16), "AVX2" or the
+    capability torch reports, as the ISA caps in force make it look."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if cpu_has_native("bfloat16"):
+        return "AVX-512 BF16"
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    if capability.startswith("AVX512") and _ONEDNN_ISA_RANK.get(cap, 99) >= _ONEDNN_ISA_RANK["AVX512_CORE"]:
+        return "AVX-512"
+    return "AVX2" if capability.startswith("AVX") else capability
+
+
+def _cpu_flags() -> dict[str, bool] | None:
+    """The CPU feature flags torch read from CPUID (lower-case names), or None when this torch has no reader."""
+    get = getattr(torch.cpu, "get_capabilities", None)
+    if get is None:
+        return None
+    try:
+        return {str(k).lower(): v is True for k, v in get().items()}
+    except (RuntimeError, AttributeError):
+        return None
 
 
 def choose_precision(enabled: Any, dtype: str, device: torch.device | str, *, training: bool,
@@ -85,18 +162,16 @@ def choose_precision(enabled: Any, dtype: str, device: torch.device | str, *, tr
     if device_type != "cpu":
         return Precision(device_type, None, False, f"no autocast rule for device type '{device_type}'")
     name = "bfloat16" if dtype == "auto" else dtype
-    native = cpu_has_native(name)
-    cpu = f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    support = cpu_native_support(name)
     if enabled == "auto":
-        if native:
-            return Precision("cpu", _DTYPES[name], False,
-                             f"{key}.ENABLED auto and this CPU runs {name} natively ({cpu})")
-        return Precision("cpu", None, False, f"{key}.ENABLED auto and this CPU has no native {name} ({cpu}), "
-                                             f"so {name} would be emulated, many times slower than float32")
-    if not native:
-        _warn_once(f"{key}.ENABLED True asks for {name} autocast, but this CPU has no native {name} ({cpu}): "
-                   f"torch emulates it, many times slower than float32. Set {key}.ENABLED auto (or False) "
-                   "to train and test in float32 here.")
+        if support.native:
+            return Precision("cpu", _DTYPES[name], False, f"{key}.ENABLED auto and {support.reason}")
+        return Precision("cpu", None, False, f"{key}.ENABLED auto and {support.reason}, so {name} would be "
+                                             "emulated, many times slower than float32")
+    if not support.native:
+        _warn_once(f"{key}.ENABLED True asks for {name} autocast, which this CPU does not run natively "
+                   f"({support.reason}): torch emulates it, many times slower than float32. Set {key}.ENABLED "
+                   "auto (or False) to train and test in float32 here.")
     return Precision("cpu", _DTYPES[name], False, f"{key}.ENABLED True")
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torchvision
 
-from pet.engine.precision import cpu_has_native
+from pet.engine.precision import cpu_class, cpu_has_native
 
 __all__ = ["interleaved", "fingerprint", "format_fingerprint"]
 
@@ -38,16 +38,19 @@ def fingerprint() -> dict[str, Any]:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
     return {
-        "cpu": model, "cores": os.cpu_count(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu": model, "cores": os.cpu_count(), "cpu_class": cpu_class(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "native_bfloat16": cpu_has_native("bfloat16"), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "torchvision": torchvision.__version__,
-        "emulation": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ},
+        "emulation": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+                      if k in os.environ},
     }
 
 
 def format_fingerprint(fp: dict[str, Any]) -> str:
     settings = " ".join(f"{k}={v}" for k, v in fp["emulation"].items())
     emulated = f" (emulated: {settings})" if settings else ""
-    return (f"machine: {fp['cpu']}, {fp['cores']} cores, torch CPU capability {fp['torch_cpu_capability']}"
+    return (f"machine: {fp['cpu']}, {fp['cores']} cores, class {fp['cpu_class']}, torch CPU capability "
+            f"{fp['torch_cpu_capability']}"
             f"{emulated}, native bf16 {'yes' if fp['native_bfloat16'] else 'no'}, {fp['threads']} thread(s), "
             f"torch {fp['torch']}, torchvision {fp['torchvision']}")
