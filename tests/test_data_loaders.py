@@ -101,6 +101,18 @@ def test_loader_reproducible_with_and_without_workers(shapes_root):
         assert all(torch.equal(a["boxes"], b["boxes"]) for a, b in zip(tgt_a, tgt_b))
 
 
+@pytest.mark.parametrize("workers", [0, 1, 2])
+def test_a_resumed_loader_starts_at_the_batch_an_uninterrupted_one_would_reach(shapes_root, workers):
+    """set_start_iter(3): the first batch drawn is the 4th of a fresh pass, with or without workers
+    (a DataLoader with workers calls iter() on its batch sampler twice before drawing from it)."""
+    name = register_split(shapes_root, "train")
+    cfg = data_cfg("TRAIN.DATASETS", (name,), "DATA.NUM_WORKERS", workers, "SOLVER.IMS_PER_BATCH", 2)
+    uninterrupted = [[t["image_id"] for t in targets] for _, targets in itertools.islice(build_train_loader(cfg), 6)]
+    resumed = build_train_loader(cfg)
+    resumed.set_start_iter(3)
+    assert [[t["image_id"] for t in targets] for _, targets in itertools.islice(resumed, 3)] == uninterrupted[3:]
+
+
 def test_epoch_mode_loader_has_a_length_and_reshuffles(shapes_root):
     name = register_split(shapes_root, "train")
     loader = build_train_loader(data_cfg("TRAIN.DATASETS", (name,), "SOLVER.MAX_ITER", 0, "SOLVER.MAX_EPOCHS", 2,

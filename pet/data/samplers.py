@@ -97,6 +97,9 @@ class _ResumableBatches:
 
     Batches are formed from indices alone, so skipping costs no image decoding; a
     resumed run then sees exactly the batches (and per-sample seeds) it would have seen.
+    "The next pass" is the first one a batch is drawn from: a DataLoader with workers calls
+    ``iter()`` twice when it starts (once in its constructor, once in its reset) and draws from
+    the second only.
     """
 
     _start_iter = 0
@@ -105,8 +108,13 @@ class _ResumableBatches:
         self._start_iter = start_iter
 
     def _resume(self, batches: Iterator[list]) -> Iterator[list]:
-        skip, self._start_iter = self._start_iter, 0
-        return itertools.islice(batches, skip, None)
+        skip = self._start_iter
+
+        def resumed() -> Iterator[list]:
+            self._start_iter = 0  # runs at the first batch drawn, not at iter()
+            yield from itertools.islice(batches, skip, None)
+
+        return resumed()
 
 
 class BatchSampler(_ResumableBatches, torch.utils.data.BatchSampler):
