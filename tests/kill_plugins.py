@@ -1,16 +1,21 @@
-"""A hook that SIGKILLs its own training process at chosen iterations, loaded by dotted path in a subprocess.
+"""Hooks that SIGKILL their own training process, or one of its data-loading workers, at chosen iterations;
+loaded by dotted path in a subprocess.
 
 ``tests/test_kill_resume.py`` puts this folder on the child's ``PYTHONPATH`` and passes
 ``HOOKS.CUSTOM "[{'type': 'kill_plugins.KillAt', 'at': [k1, k2, k3]}]"`` to ``tools/train_net.py``.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
+import time
 from collections.abc import Sequence
 from typing import Any
 
-from pet.engine.hooks import Priority, TrainHook
+import torch
+
+from pet.engine.hooks import Priority, TestCallback, TrainHook
 
 
 class KillAt(TrainHook):
@@ -34,3 +39,55 @@ class KillAt(TrainHook):
             with open(marker, "w", encoding="utf-8"):
                 pass
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class KillWorkerAt(TrainHook):
+    """SIGKILLs one data-loading worker of the training loader in ``after_step`` of iteration ``at``, once.
+
+    As the out-of-memory killer would: the worker dies, the training process lives on. ``rank``
+    (when given) picks the process whose worker dies. It waits until the worker is a zombie (the
+    SIGCHLD is sent) and leaves ``worker_killed`` in ``output_dir`` so the resumed run does not kill
+    again. Which later fetch notices the death depends on when the signal reaches the main thread.
+    """
+
+    priority = Priority.HIGHEST
+
+    def __init__(self, at: int, output_dir: str, rank: int | None = None) -> None:
+        self.at = int(at)
+        self.rank = rank
+        self.marker = os.path.join(output_dir, "worker_killed")
+
+    def after_step(self, trainer: Any, **kwargs: Any) -> None:
+        if trainer.iter != self.at or os.path.exists(self.marker):
+            return
+        if self.rank is not None and torch.distributed.get_rank() != self.rank:
+            return
+        workers = [p for p in multiprocessing.active_children() if p.is_alive()]
+        assert workers, "the loader should run worker processes (DATA.NUM_WORKERS > 0)"
+        with open(self.marker, "w", encoding="utf-8") as f:
+            f.write(str(workers[0].pid))
+        os.kill(workers[0].pid, signal.SIGKILL)
+        while _state(workers[0].pid) not in ("Z", "X", None):
+            time.sleep(0.01)
+        time.sleep(0.2)  # time for the SIGCHLD to reach the main thread, so the stop usually comes next step
+
+
+def _state(pid: int) -> str | None:
+    """The process state letter from /proc (Z: zombie), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+class KillTestWorker(TestCallback):
+    """A test callback (``TEST.HOOKS``) that SIGKILLs one worker of the test loader after the first batch."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def after_test_iter(self, **kwargs: Any) -> None:
+        if not self.done:
+            self.done = True
+            os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)

@@ -18,6 +18,7 @@ from fvcore.common.config import CfgNode
 
 from pet.config import load_cfg
 from pet.data import register_custom_datasets
+from pet.data.workers import WORKER_DIED_EXIT_CODE, remedy, worker_death
 from pet.engine.build import prepare_model
 from pet.engine.checkpoint import write_failure_remedy
 from pet.engine.common import resolve_device, unwrap_model
@@ -137,7 +138,8 @@ _WRITE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQ
 
 def launch_cli(main: Callable[[], None]) -> None:
     """Run ``main``; a :class:`PetError`, or a file that cannot be written (an unwritable or full
-    ``CKPT`` before any checkpoint exists), becomes one line on stderr and exit status 2."""
+    ``CKPT`` before any checkpoint exists), becomes one line on stderr and exit status 2 (or the
+    error's ``exit_code``); a data-loading worker that died, one line and exit status 75."""
     try:
         main()
     except PetError as exc:
@@ -145,8 +147,15 @@ def launch_cli(main: Callable[[], None]) -> None:
     except OSError as exc:
         if exc.errno not in _WRITE_ERRNOS or not exc.filename:
             raise
-        remedy = write_failure_remedy(exc, os.path.dirname(os.path.abspath(exc.filename)))
-        _exit_with_one_line(f"Could not write {exc.filename}: {exc.strerror}; {remedy}.", 2)
+        advice = write_failure_remedy(exc, os.path.dirname(os.path.abspath(exc.filename)))
+        _exit_with_one_line(f"Could not write {exc.filename}: {exc.strerror}; {advice}.", 2)
+    except RuntimeError as exc:
+        # torch's worker-death error raised before Pet's fetch watched for it (the first batch)
+        death = worker_death(exc)
+        if death is None:
+            raise
+        _exit_with_one_line(f"Stopped: a {death}. Run the same command again (training resumes from its last "
+                            f"checkpoint); if it happens again, {remedy(None)}.", WORKER_DIED_EXIT_CODE)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

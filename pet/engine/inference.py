@@ -16,6 +16,7 @@ import torch
 from fvcore.common.config import CfgNode
 
 from pet.data import DatasetMapper, build_test_loader
+from pet.data.workers import watched
 from pet.engine.checkpoint import get_rng_state, set_rng_state
 from pet.engine.common import call_model, flatten_metrics, model_device
 from pet.engine.precision import Precision, choose_precision
@@ -117,7 +118,7 @@ def inference_on_dataset(
         stack.enter_context(activate(test_hook))
         test_hook.iter_tic()
         test_hook.data_tic()
-        for index, batch in enumerate(data_loader, 1):
+        for index, batch in enumerate(watched(data_loader), 1):
             test_hook.data_toc()
 
             test_hook.infer_tic()

@@ -24,6 +24,7 @@ import torch
 from fvcore.common.config import CfgNode
 
 from pet.data import build_train_loader
+from pet.data.workers import WORKER_DIED_EXIT_CODE, fetch, remedy
 from pet.engine.build import build_train_hooks, prepare_model
 from pet.engine.common import resolve_device, unwrap_model
 from pet.engine.events import EventStorage
@@ -173,10 +174,14 @@ class Trainer:
         with self.storage, self._stop_on_signals():
             try:
                 self.call_hooks("before_train")
-                if self.max_epochs > 0:
-                    self._train_epochs()
-                else:
-                    self._train_iterations()
+                try:
+                    if self.max_epochs > 0:
+                        self._train_epochs()
+                    else:
+                        self._train_iterations()
+                except _WorkerDiedAtFetch as death:
+                    self._save_and_stop(str(death), WORKER_DIED_EXIT_CODE,
+                                        advice=remedy(getattr(self.data_loader, "num_workers", None)))
             except BaseException:
                 # The first error is the one to report: a hook failing in after_train
                 # (a full disk, say) is logged, not raised over it.
@@ -225,7 +230,7 @@ class Trainer:
         try:
             self.call_hooks("before_step")
             start = time.perf_counter()
-            batches = [next(self._batches) for _ in range(self.accum_steps)]
+            batches = self._next_batches()
             if self.device.type != "cpu":
                 batches = [move_to_device(batch, self.device) for batch in batches]
             self.last_data_seconds = time.perf_counter() - start
@@ -251,6 +256,27 @@ class Trainer:
             self.storage.put_scalar("nonfinite_skipped", self.train_step.nonfinite_skipped, smoothing_hint=False)
 
     # ------------------------------------------------------------------ data
+    def _next_batches(self) -> list[Any]:
+        """This step's batches; raises when a data-loading worker of any process has died.
+
+        The fetch is where a death is acted on (:func:`pet.data.workers.fetch`): before the forward
+        pass, while weights, optimizer and counters are those of the last completed iteration, which
+        :meth:`train` then saves. In a distributed run the processes agree here (one small all-reduce
+        per step), so a process whose worker died does not leave the others waiting in the gradient
+        all-reduce.
+        """
+        batches, death = [], None
+        while len(batches) < self.accum_steps and death is None:
+            batch, death = fetch(self._batches)
+            batches.append(batch)
+        if comm.get_world_size() > 1 and comm.any_process(death is not None):
+            deaths = comm.all_gather_object(death)
+            rank = next(r for r, d in enumerate(deaths) if d is not None)
+            death = deaths[rank].replace("worker", f"worker of rank {rank}", 1)
+        if death is not None:
+            raise _WorkerDiedAtFetch(f"Training stopped after iteration {self.iter - 1}: a {death}")
+        return batches
+
     def _set_sampler_epoch(self, epoch: int) -> None:
         for holder in (getattr(self.data_loader, "batch_sampler", None), getattr(self.data_loader, "sampler", None)):
             if hasattr(holder, "set_epoch"):
@@ -320,19 +346,26 @@ class Trainer:
                 signal.signal(sig, handler)
 
     def _stop_for_signal(self, signum: int) -> None:
-        """Save now (through the hook that writes checkpoints, when there is one) and stop with the signal's code.
+        self._save_and_stop(f"Training stopped by {signal.Signals(signum).name} after iteration {self.iter}",
+                            128 + signum)
+
+    def _save_and_stop(self, reason: str, exit_code: int, advice: str = "") -> None:
+        """Save the iterations completed (through the hook that writes checkpoints, when there is one) and
+        raise :class:`TrainingInterrupted` with ``exit_code``: one line, the reason, the checkpoint, ``advice``.
 
         A hook with ``save_now(trainer) -> path`` (CheckpointHook) saves where, and as, it
         saves every checkpoint; without one the trainer writes ``model_iter{N}.pth`` to CKPT,
-        so a preempted run can always resume.
+        so a stopped run can always resume.
         """
         saver = next((hook for hook in self.hooks if callable(getattr(hook, "save_now", None))), None)
         path = saver.save_now(self) if saver is not None else self.save_checkpoint(f"model_iter{self.iter}.pth")
-        raise TrainingInterrupted(
-            f"Training stopped by {signal.Signals(signum).name} after iteration {self.iter}; checkpoint {path}. "
-            "Run the same command to resume from it.",
-            exit_code=128 + signum,
-        )
+        advice = f" If it happens again: {advice}." if advice else ""
+        raise TrainingInterrupted(f"{reason}; checkpoint {path}. Run the same command to resume from it.{advice}",
+                                  exit_code=exit_code)
+
+
+class _WorkerDiedAtFetch(Exception):
+    """A data-loading worker died, seen at a training fetch: the state is that of the last completed iteration."""
 
 
 def _wrap_distributed(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:

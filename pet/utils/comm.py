@@ -40,6 +40,15 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
+def any_process(flag: bool) -> bool:
+    """Whether ``flag`` is true on any process: one small all-reduce (no collective in a single process)."""
+    if get_world_size() == 1:
+        return flag
+    tensor = torch.tensor([int(flag)], device=collective_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item())
+
+
 def all_gather_object(obj: Any) -> list[Any]:
     """``[obj of rank 0, obj of rank 1, ...]`` on every rank.
 

@@ -1,0 +1,153 @@
+"""A data-loading worker killed mid-run (as the out-of-memory killer does) stops training cleanly.
+
+Real runs of the demo detector through ``tools/train_net.py`` with two loader workers on a tiny
+shapes set; ``kill_plugins.KillWorkerAt`` SIGKILLs one worker after a chosen iteration. The run must
+save that iteration through the CheckpointHook, end with exit status 75 and one line naming the worker,
+the signal, the likely cause and what to try, and the same command must resume it to the weights of
+an uninterrupted run. With two gloo processes, a worker of rank 1 dying must stop both ranks after the
+same iteration (none waits forever in the gradient all-reduce).
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import pytest
+import torch
+from helpers import DEMO_CFG, final_weights, run_tool, tiny_set_opts
+
+from pet.data.workers import WORKER_DIED_EXIT_CODE, fetch, worker_death
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+PLUGINS = {"PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))}
+MAX_ITER = 6
+KILL_AT = 3
+# How a SIGKILLed worker is reported: by its signal, or (when the fetch notices first) by its absence.
+DIED = (r"(was killed by signal SIGKILL \(Killed\), most likely by the out-of-memory killer"
+        r"|exited unexpectedly \(killed for memory, or crashed in native code\))")
+
+
+@pytest.fixture(scope="module")
+def tiny_set(shapes_set) -> str:
+    return shapes_set(num_train=8, num_val=2)
+
+
+def _train(data: str, ckpt: str, *extra: str, nproc: int = 1, check: bool = True):
+    opts = [*tiny_set_opts(data, ckpt, max_iter=MAX_ITER, checkpoint_period=4), "DATA.NUM_WORKERS", "2",
+            "SOLVER.AMP.ENABLED", "False", "SOLVER.WARMUP_ITERS", "2", "TEST.EVAL_PERIOD", "0", "DEVICE", "cpu",
+            "MODEL.FLOPS_INPUT_SIZE", "()", "TRAIN.USE_TENSORBOARD", "False", "SEED", "5",
+            "NUM_THREADS", "1", *extra]  # one thread: bit-identical arithmetic run to run
+    return run_tool("train_net.py", "--cfg", DEMO_CFG, *opts, nproc=nproc, check=check, env=PLUGINS)
+
+
+def _kill_worker(ckpt: str, rank: int | None = None) -> list[str]:
+    spec = {"type": "kill_plugins.KillWorkerAt", "at": KILL_AT, "output_dir": ckpt}
+    if rank is not None:
+        spec["rank"] = rank
+    return ["HOOKS.CUSTOM", f"[{spec}]"]
+
+
+def _error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("Error: ")]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
+
+
+def test_a_killed_worker_saves_the_last_iteration_exits_75_and_the_same_command_resumes(tiny_set, tmp_path):
+    reference = str(tmp_path / "uninterrupted")
+    _train(tiny_set, reference)
+
+    ckpt = str(tmp_path / "killed")
+    command = _kill_worker(ckpt)
+    proc = _train(tiny_set, ckpt, *command, check=False)
+    assert proc.returncode == WORKER_DIED_EXIT_CODE, proc.stderr[-3000:]
+    line = _error_line(proc.stderr)
+    with open(os.path.join(ckpt, "worker_killed"), encoding="utf-8") as f:
+        pid = f.read().strip()
+    # The death is acted on at the next fetch that sees it: usually the very next one.
+    stopped = int(re.match(r"Error: Training stopped after iteration (\d+):", line).group(1))
+    assert KILL_AT <= stopped < MAX_ITER, line
+    saved = os.path.join(ckpt, f"model_iter{stopped}.pth")
+    assert re.fullmatch(rf"Error: Training stopped after iteration {stopped}: a data-loading worker \(pid {pid}\) "
+                        rf"{DIED}; checkpoint {re.escape(saved)}\. Run the same command to resume from it\. If it "
+                        r"happens again: lower DATA.NUM_WORKERS \(now 2\) or SOLVER.IMS_PER_BATCH, or free memory\.",
+                        line), line
+    assert "Traceback" not in proc.stderr
+    with open(os.path.join(ckpt, "last_checkpoint"), encoding="utf-8") as f:
+        assert f.read().strip() == f"model_iter{stopped}.pth"
+    assert torch.load(saved, weights_only=True)["iter"] == stopped
+
+    _train(tiny_set, ckpt, *command)
+    with open(os.path.join(ckpt, "log.txt"), encoding="utf-8") as f:
+        assert f"Resumed from {saved} at iteration {stopped}" in f.read()
+    expected, got = final_weights(reference), final_weights(ckpt)
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[k], got[k]) for k in expected), "resumed weights differ from an uninterrupted run"
+
+
+def test_a_worker_dying_on_one_rank_stops_both_ranks_after_the_same_iteration(tiny_set, tmp_path):
+    ckpt = str(tmp_path / "two")
+    proc = _train(tiny_set, ckpt, *_kill_worker(ckpt, rank=1), nproc=2, check=False)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error: Training stopped after")]
+    assert len(errors) == 2, proc.stderr[-3000:]  # each rank says it once, and neither hangs
+    stopped = set()
+    for line in errors:
+        found = re.search(rf"after iteration (\d+): a data-loading worker of rank 1 \(pid \d+\) {DIED}", line)
+        assert found, line
+        stopped.add(int(found.group(1)))
+    assert len(stopped) == 1 and KILL_AT <= min(stopped) < MAX_ITER, errors  # both ranks, the same iteration
+    name = f"model_iter{stopped.pop()}.pth"
+    assert os.path.isfile(os.path.join(ckpt, name))
+    with open(os.path.join(ckpt, "last_checkpoint"), encoding="utf-8") as f:
+        assert f.read().strip() == name
+
+
+@pytest.mark.parametrize("message, expected", [
+    ("DataLoader worker (pid 42) is killed by signal: Killed. ",
+     "data-loading worker (pid 42) was killed by signal SIGKILL (Killed), most likely by the out-of-memory killer"),
+    ("DataLoader worker (pid 42) is killed by signal: Segmentation fault. ",
+     "data-loading worker (pid 42) was killed by signal SIGSEGV (Segmentation fault)"),
+    ("DataLoader worker (pid(s) 42, 43) exited unexpectedly",
+     "data-loading worker (pid 42, 43) exited unexpectedly (killed for memory, or crashed in native code)"),
+    ("DataLoader worker (pid 42) exited unexpectedly with exit code 1. Details are lost due to multiprocessing.",
+     "data-loading worker (pid 42) exited unexpectedly with exit code 1 (killed for memory, or crashed in native "
+     "code)"),
+    ("CUDA out of memory", None),
+])
+def test_torchs_worker_errors_are_recognised_and_others_are_not(message, expected):
+    assert worker_death(RuntimeError(message)) == expected
+    assert worker_death(ValueError(message)) is None
+
+
+def test_a_raising_sigchld_handler_becomes_a_note_read_at_the_next_fetch():
+    """torch's handler raising mid-step (here, at an arbitrary point) is turned into a death the next fetch reports."""
+    def torchs_handler(signum, frame):
+        raise RuntimeError("DataLoader worker (pid 7) is killed by signal: Killed. ")
+
+    previous = signal.signal(signal.SIGCHLD, torchs_handler)
+    try:
+        batches = iter(range(3))
+        assert fetch(batches) == (0, None)  # the first fetch arms the watch over the handler it finds
+        signal.raise_signal(signal.SIGCHLD)  # nothing is raised here
+        batch, death = fetch(batches)
+        assert batch is None and death.startswith("data-loading worker (pid 7) was killed by signal SIGKILL")
+        assert fetch(batches) == (2, None)  # reported once
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+
+
+def test_a_worker_of_the_test_loader_dying_is_one_line_and_exit_75(shapes_set, tmp_path):
+    data = shapes_set(num_train=8, num_val=8)
+    ckpt = str(tmp_path / "train")
+    _train(data, ckpt)
+    proc = run_tool("test_net.py", "--cfg", DEMO_CFG, *tiny_set_opts(data, ckpt, test_batch=1),
+                    "DATA.NUM_WORKERS", "2", "DEVICE", "cpu", "MODEL.FLOPS_INPUT_SIZE", "()",
+                    "TEST.HOOKS", "[{'type': 'kill_plugins.KillTestWorker'}]", check=False, env=PLUGINS)
+    assert proc.returncode == WORKER_DIED_EXIT_CODE, proc.stderr[-3000:]
+    line = _error_line(proc.stderr)
+    assert re.fullmatch(rf"Error: Stopped: a data-loading worker \(pid [\d, ]+\) {DIED}\. Run the same command "
+                        r"again \(training resumes from its last checkpoint\); if it happens again, lower "
+                        r"DATA.NUM_WORKERS \(now 2\) or SOLVER.IMS_PER_BATCH, or free memory\.", line), line
+    assert "Traceback" not in proc.stderr
