@@ -17,7 +17,7 @@ from conftest import InfiniteToyLoader, ToyModel
 from pet.config import load_cfg
 from pet.engine import precision as precision_module
 from pet.engine.inference import inference_on_dataset, inference_precision
-from pet.engine.precision import choose_precision, cpu_has_native
+from pet.engine.precision import choose_precision
 from pet.engine.trainer import Trainer
 from pet.utils.errors import ConfigError
 
@@ -142,8 +142,3 @@ def test_the_train_step_and_the_test_loop_run_under_the_chosen_precision(tmp_pat
     assert model.seen == [expected]
     assert evaluator.dtype == (expected or torch.float32)
 
-
-def test_this_machine_gets_what_its_cpu_runs_natively():
-    """On the machine running the suite: auto is bfloat16 exactly when torch reports native bfloat16."""
-    native = cpu_has_native("bfloat16")
-    assert choose_precision("auto", "auto", "cpu", training=True).dtype == (torch.bfloat16 if native else None)
