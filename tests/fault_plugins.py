@@ -7,10 +7,12 @@ to see that ``after_train`` ran and writers were closed in a run that was stoppe
 ``HOOKS.CUSTOM "[{'type': 'fault_plugins.StallWrite', 'name': ..., 'fd': ...}]"`` to
 freeze a checkpoint write half-way, where a test kills the process, or ``PauseForSignal``
 to signal a run at a known iteration. Both report on a pipe the test waits on.
+``FullDisk`` fills the disk under a directory, for any user.
 """
 from __future__ import annotations
 
 import builtins
+import errno
 import os
 import re
 import signal
@@ -127,3 +129,52 @@ class PauseForSignal(TrainHook):
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
         signal.raise_signal(signum)
+
+
+class FullDisk(TrainHook):
+    """From ``before_train`` on, the file system holding ``directory`` is full, as far as this process can tell.
+
+    Every file opened for writing under ``directory`` (by any code: ``builtins.open`` is wrapped)
+    takes the first half of its first write and then fails with ENOSPC, as a write to a file
+    system that fills up half-way does. A real full file system needs root to mount; this works
+    for any user. Files opened before ``before_train`` (the log, ``metrics.json``) are untouched.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = os.path.abspath(directory)
+        self._open = builtins.open
+
+    def before_train(self, **kwargs: Any) -> None:
+        builtins.open = self._full_open
+
+    def after_train(self, **kwargs: Any) -> None:
+        builtins.open = self._open
+
+    def _full_open(self, file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        f = self._open(file, mode, *args, **kwargs)
+        inside = isinstance(file, (str, os.PathLike)) and os.path.abspath(file).startswith(self.directory + os.sep)
+        return _NoSpaceLeft(f) if inside and any(m in mode for m in "wax+") else f
+
+
+class _NoSpaceLeft:
+    """A file whose first ``write`` puts down half its data and fails with ENOSPC, as do all after it."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self._full = False
+
+    def write(self, data: Any) -> None:
+        if not self._full:
+            self._full = True
+            self._f.write(data[: len(data) // 2])
+            self._f.flush()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self._f.name)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._f, attr)
+
+    def __enter__(self) -> _NoSpaceLeft:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._f.close()

@@ -127,8 +127,36 @@ def test_a_read_only_ckpt_is_one_line_naming_it_and_what_to_do(tmp_path, fresh):
     assert sorted(os.listdir(ckpt)) == before
 
 
+def _no_space_line(disk) -> str:
+    """The one line a run whose checkpoint at iteration 4 finds ``disk`` full ends with (README's remedy)."""
+    return (f"Error: Could not write {disk}/model_iter4.pth: No space left on device. The previous checkpoint is "
+            f"intact; free space on the disk holding {disk}, then resume with the same command.")
+
+
+def test_a_disk_filling_up_mid_write_keeps_the_previous_checkpoint_and_says_what_to_do(tmp_path):
+    """ENOSPC for any user: ``fault_plugins.FullDisk`` fills the checkpoint directory's disk from the resumed
+    run's start, at the file-object level (the next test fills a real tmpfs, which needs root)."""
+    ckpt, disk = tmp_path / "run", tmp_path / "disk"
+    out_dir = ("--interval", "2", "HOOKS.CHECKPOINT.OUT_DIR", str(disk))
+    code, _, err = run_toy_train(ckpt, 2, *out_dir)
+    assert code == 0, err
+    previous = (disk / "model_iter2.pth").read_bytes()
+
+    full = repr([{"type": "fault_plugins.FullDisk", "directory": str(disk)}])
+    code, _, err = run_toy_train(ckpt, 4, *out_dir, "HOOKS.CUSTOM", full)
+    assert code == 2
+    assert err.strip().splitlines() == [_no_space_line(disk)]
+    assert (ckpt / "last_checkpoint").read_text() == str(disk / "model_iter2.pth")
+    assert (disk / "model_iter2.pth").read_bytes() == previous
+    assert sorted(os.listdir(disk)) == ["model_final.pth", "model_iter2.pth"]  # no partial or temporary file
+
+    code, out, err = run_toy_train(ckpt, 4, *out_dir)  # space freed: the same command resumes
+    assert code == 0, err
+    assert f"Resumed from {disk}/model_iter2.pth at iteration 2" in out
+
+
 def test_a_full_disk_keeps_the_previous_checkpoint_and_names_path_and_cause(tmp_path):
-    """A real ENOSPC: checkpoints go to a tmpfs shrunk to hold the first one and not the second."""
+    """A real ENOSPC: checkpoints go to a tmpfs shrunk to hold the first one and not the second (needs root)."""
     ckpt, disk = tmp_path / "run", tmp_path / "disk"
     disk.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "pet-test-tmpfs", str(disk)],
@@ -150,10 +178,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_names_path_and_cause(tmp_
 
         code, _, err = run_toy_train(ckpt, 4, *out_dir)
         assert code == 2
-        lines = err.strip().splitlines()
-        assert len(lines) == 1, err
-        assert f"Could not write {disk}/model_iter4.pth: No space left on device." in lines[0]
-        assert "The previous checkpoint is intact" in lines[0]
+        assert err.strip().splitlines() == [_no_space_line(disk)]
         assert (ckpt / "last_checkpoint").read_text() == str(disk / "model_iter2.pth")
         assert sorted(os.listdir(disk)) == ["model_final.pth", "model_iter2.pth"]  # no partial or temporary file
         reloaded = torch.load(disk / "model_iter2.pth", weights_only=True)

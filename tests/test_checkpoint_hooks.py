@@ -67,9 +67,10 @@ def test_last_checkpoint_always_names_a_complete_file(cfg_for):
         priority = Priority.LOWEST
 
         def after_step(self, trainer, **kwargs):
+            # Listed before read_last_checkpoint, which removes leftover temporary files.
+            assert not [f for f in os.listdir(trainer.output_dir) if ".tmp" in f]
             path = read_last_checkpoint(trainer.output_dir)
             seen.append(load_checkpoint(path)["iter"] if path else None)
-            assert not [f for f in os.listdir(trainer.output_dir) if ".tmp" in f]
 
     trainer = toy_trainer(cfg_for("SOLVER.MAX_ITER", 8, "HOOKS.CHECKPOINT.PERIOD", 3,
                                   "HOOKS.CHECKPOINT.MAX_KEEP", 1), Reader())

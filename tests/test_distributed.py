@@ -13,6 +13,7 @@ from conftest import run_two_ranks
 from helpers import DEMO_CFG, run_tool, tiny_set_opts
 
 from pet.engine import defaults
+from pet.engine.checkpoint import load_checkpoint
 from pet.engine.defaults import distributed_backend, init_distributed
 from pet.engine.events import read_metrics
 from pet.utils import comm
@@ -44,8 +45,9 @@ def test_two_process_training_writes_one_set_of_outputs(trained):
     checkpoints = sorted(f for f in os.listdir(ckpt) if f.endswith(".pth"))
     assert checkpoints == ["model_final.pth", "model_iter2.pth", "model_iter4.pth"]
     with open(os.path.join(ckpt, "last_checkpoint")) as f:
-        assert f.read().strip() in checkpoints
-    assert not [f for f in os.listdir(ckpt) if f.endswith(".tmp") or f.startswith("tmp")]
+        assert f.read() == "model_iter4.pth"  # the newest regular checkpoint
+    assert load_checkpoint(os.path.join(ckpt, "model_iter4.pth"))["iter"] == 4
+    assert not [f for f in os.listdir(ckpt) if ".tmp" in f]  # Pet stages writes in "<name>.tmp<pid>"
     with open(os.path.join(ckpt, "log.txt")) as f:
         log = f.read()
     assert "Rank 0 of 2" in log and "Rank 1 of 2" not in log
@@ -105,7 +107,9 @@ def test_two_process_resume_continues_from_the_last_checkpoint(trained, tiny_set
     assert [r["iteration"] for r in read_metrics(os.path.join(ckpt, "metrics.json"))] == [2, 4, 6]
     assert "model_final.pth" in os.listdir(ckpt)
     with open(os.path.join(ckpt, "last_checkpoint")) as f:
-        assert f.read().strip() in ("model_final.pth", "model_iter6.pth")
+        assert f.read() == "model_iter6.pth"
+    assert load_checkpoint(os.path.join(ckpt, "model_iter6.pth"))["iter"] == 6
+    assert not [f for f in os.listdir(ckpt) if ".tmp" in f]
 
 
 def test_sync_bn_on_cpu_is_a_config_error_in_every_rank(tiny_set, tmp_path):

@@ -29,13 +29,13 @@ from pet.engine.events import read_metrics
 from pet.engine.hooks import (
     EarlyStoppingHook,
     EMAHook,
-    EmptyCacheHook,
     EvalHook,
     Priority,
     ProfilerHook,
     SyncBuffersHook,
     TrainHook,
 )
+from pet.engine.hooks import misc as misc_hooks
 from pet.utils.errors import ConfigError
 from pet.utils.weights import load_weights
 
@@ -263,10 +263,13 @@ def test_default_hook_order(make_cfg):
     assert not any(isinstance(h, EvalHook) for h in toy_trainer(make_cfg()).hooks)  # EVAL_PERIOD 0
 
 
-def test_profiler_writes_a_table_and_empty_cache_is_harmless_on_cpu(cfg_for, caplog):
+def test_profiler_writes_a_table_and_empty_cache_is_harmless_on_cpu(cfg_for, caplog, monkeypatch):
     cfg = cfg_for("SOLVER.MAX_ITER", 4, "HOOKS.PROFILER.ENABLED", True, "HOOKS.PROFILER.START_ITER", 1,
                   "HOOKS.PROFILER.END_ITER", 3, "HOOKS.EMPTY_CACHE.ENABLED", True,
                   "HOOKS.EMPTY_CACHE.AFTER_ITER", True)
+    emptied = []
+    empty_cache = misc_hooks._empty_cuda_cache
+    monkeypatch.setattr(misc_hooks, "_empty_cuda_cache", lambda: emptied.append(1) or empty_cache())
     trainer = toy_trainer(cfg)
     with caplog.at_level(logging.INFO, logger="pet"):
         trainer.train()
@@ -274,7 +277,7 @@ def test_profiler_writes_a_table_and_empty_cache_is_harmless_on_cpu(cfg_for, cap
     assert text.startswith("Iterations 2-3") and "Self CPU" in text
     cost = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Time spent in hooks"))
     assert "ProfilerHook" in cost and "EmptyCacheHook" in cost
-    assert isinstance(hook_of(trainer, EmptyCacheHook), EmptyCacheHook)
+    assert len(emptied) == 4 + 1  # after each iteration (AFTER_ITER) and after the run's one epoch (AFTER_EPOCH)
     with pytest.raises(ConfigError, match="START_ITER < END_ITER"):
         ProfilerHook(5, 5)
 
@@ -296,14 +299,22 @@ def test_sync_buffers_averages_float_buffers_across_processes(tmp_path):
         assert mean == [0.5] * 3 and var == [2.0] * 3 and tracked == rank  # integer buffers untouched
 
 
-def test_toy_loader_still_skips_without_set_start_iter(cfg_for):
-    # A loader without set_start_iter has its first batches drawn and dropped on resume.
-    first = toy_trainer(cfg_for("SOLVER.MAX_ITER", 4, "HOOKS.CHECKPOINT.PERIOD", 2), loader=ToyLoader(20))
-    first.train()
-    resumed = toy_trainer(cfg_for("SOLVER.MAX_ITER", 6, "HOOKS.CHECKPOINT.PERIOD", 2), loader=ToyLoader(20))
+def test_toy_loader_still_skips_without_set_start_iter(cfg_for, tmp_path):
+    """A loader without set_start_iter has the batches already consumed drawn and dropped on resume: a run
+    crashed after 4 iterations (checkpoint at 4) and resumed ends with the weights of an uninterrupted one.
+    Its passes are 3 batches long, so the resume starts 1 batch into the second pass."""
+    reference = toy_trainer(cfg_for("SOLVER.MAX_ITER", 6, "CKPT", tmp_path / "reference"), loader=ToyLoader(3))
+    reference.train()
+    cfg = cfg_for("SOLVER.MAX_ITER", 6, "HOOKS.CHECKPOINT.PERIOD", 2)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        toy_trainer(cfg, CrashAt(4), loader=ToyLoader(3)).train()
+    resumed = toy_trainer(cfg, loader=ToyLoader(3), seed=123)
     resumed.resume_or_load(resume=True)
+    assert resumed.start_iter == 4
     resumed.train()
     assert resumed.iter == 6
+    expected = _params(reference)
+    assert all(torch.equal(p, expected[n]) for n, p in _params(resumed).items())
 
 
 # ---------------------------------------------------------------------------------------- README

@@ -1,10 +1,13 @@
-"""SIGKILL a real detector's training at three seeded iterations; the same command resumes it bit for bit.
+"""SIGKILL a real detector's training before its first checkpoint and at three seeded iterations; the same command
+restarts it each time and it ends bit for bit as an uninterrupted run.
 
 The demo's Faster R-CNN R-18-FPN (fp32) trains through ``tools/train_net.py`` on a tiny generated shapes set.
 ``kill_plugins.KillAt`` (given through ``HOOKS.CUSTOM``) SIGKILLs the process after the step of each kill
 point, before that step's metrics or checkpoint are written, so every restart resumes from an earlier
-checkpoint and trains some iterations again. The kill points come from ``random.Random(PET_KILL_SEED)``
-(default 0) and are printed: ``PET_KILL_SEED=7 python -m pytest tests/test_kill_resume.py -s`` tries others.
+checkpoint, or starts over when there is none yet, and trains some iterations again. The first kill comes at
+iteration ``INTERVAL``, the last before the first checkpoint (that run has logged iterations it never saved);
+the other three come from ``random.Random(PET_KILL_SEED)`` (default 0) and are printed:
+``PET_KILL_SEED=7 python -m pytest tests/test_kill_resume.py -s`` tries others.
 """
 from __future__ import annotations
 
@@ -53,11 +56,11 @@ def _tensors(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     return {path: t for key, value in items for path, t in _tensors(value, f"{prefix}/{key}").items()}
 
 
-def test_sigkill_at_three_seeded_iterations_then_the_same_command_ends_bit_identical(small_shapes, tmp_path,
-                                                                                      monkeypatch):
-    kills = sorted(random.Random(SEED).sample(range(INTERVAL + 1, MAX_ITER + 1), 3))
+def test_sigkill_before_the_first_checkpoint_and_at_three_seeded_iterations_ends_bit_identical(small_shapes, tmp_path,
+                                                                                           monkeypatch):
+    kills = [INTERVAL, *sorted(random.Random(SEED).sample(range(INTERVAL + 1, MAX_ITER + 1), 3))]
     resumes = [(k - 1) // INTERVAL * INTERVAL for k in kills]  # the kill comes before iteration k's checkpoint
-    print(f"PET_KILL_SEED={SEED}: SIGKILL after iterations {kills}; expected resumes at {resumes}")
+    print(f"PET_KILL_SEED={SEED}: SIGKILL after iterations {kills}; expected restarts at {resumes}")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
 
     reference = tmp_path / "reference"
@@ -70,13 +73,16 @@ def test_sigkill_at_three_seeded_iterations_then_the_same_command_ends_bit_ident
         proc = run_tool(*command, check=False)
         assert proc.returncode == -signal.SIGKILL, f"not killed at {k}: {proc.returncode}\n{proc.stderr[-3000:]}"
         assert sorted(p.name for p in ckpt.glob("killed_at_*")) == sorted(f"killed_at_{j}" for j in kills if j <= k)
-        assert (ckpt / "last_checkpoint").read_text() == f"model_iter{resume}.pth"
+        if resume:
+            assert (ckpt / "last_checkpoint").read_text() == f"model_iter{resume}.pth"
+        else:  # killed before the first checkpoint: nothing to resume, the same command starts over
+            assert not (ckpt / "last_checkpoint").exists() and not list(ckpt.glob("*.pth"))
         assert not (ckpt / "model_final.pth").exists()
     run_tool(*command)
 
     log = (ckpt / "log.txt").read_text(encoding="utf-8")
     assert re.findall(r"Resumed from (\S+) at iteration (\d+)", log) == [
-        (str(ckpt / f"model_iter{r}.pth"), str(r)) for r in resumes]
+        (str(ckpt / f"model_iter{r}.pth"), str(r)) for r in resumes if r]
     assert [r["iteration"] for r in read_metrics(str(ckpt / "metrics.json"))] == list(range(1, MAX_ITER + 1))
     expected = torch.load(reference / "model_final.pth", weights_only=True)
     final = torch.load(ckpt / "model_final.pth", weights_only=True)

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import math
+import random
 
+import numpy as np
 import torch
 from conftest import ToyLoader, ToyModel
 from helpers import DEMO_CFG, custom_datasets
@@ -15,9 +17,33 @@ from pet.modeling import build_model
 FLOAT32 = Precision("cpu", None, False, "test")
 
 
+class RandomDrawingModel(ToyModel):
+    """A :class:`ToyModel` whose training forward draws from Python's, numpy's and torch's generators, as a detector
+    sampling proposals and an augmentation would; the draws do not enter the losses."""
+
+    def __init__(self) -> None:
+        super().__init__(with_bn=True)
+        self.draws = 0
+
+    def forward(self, x, y):
+        random.random(), np.random.rand(), torch.rand(1)
+        self.draws += 1
+        return super().forward(x, y)
+
+
+def _next_draws() -> tuple:
+    return random.random(), np.random.rand(), torch.rand(3)
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def test_validation_loss_is_the_mean_loss_and_changes_nothing():
     torch.manual_seed(0)
-    model = ToyModel(with_bn=True)
+    model = RandomDrawingModel()
     model.bn.running_mean.fill_(0.5)
     model.eval()
     loader = ToyLoader(num_batches=3)
@@ -28,17 +54,21 @@ def test_validation_loss_is_the_mean_loss_and_changes_nothing():
                 expected[name] = expected.get(name, 0.0) + float(value) / 3
     expected["total_loss"] = expected["loss_mse"] + expected["loss_l1"]
 
-    torch.manual_seed(1)
-    after_seed = torch.rand(3)
-    torch.manual_seed(1)
+    _seed_all(1)
+    after_seed = _next_draws()
+    _seed_all(1)
+    draws = model.draws
     losses = validation_loss(model, loader, FLOAT32)
+    assert model.draws == draws + 3  # its forward drew from all three generators, once per batch
 
     assert losses.keys() == expected.keys()
     for name, value in expected.items():
         assert math.isclose(losses[name], value, rel_tol=1e-6), name
     assert torch.all(model.bn.running_mean == 0.5) and model.bn.num_batches_tracked == 0  # no BN update
     assert not model.training  # the mode it was in
-    assert torch.equal(torch.rand(3), after_seed)  # the RNG stream training continues with is untouched
+    # The random streams training continues with (Python, numpy, torch) are the ones it would have had.
+    (py, np_value, torch_values), (py_seed, np_seed, torch_seed) = _next_draws(), after_seed
+    assert py == py_seed and np_value == np_seed and torch.equal(torch_values, torch_seed)
 
 
 def test_val_loss_is_reported_next_to_the_ap(shapes_set, tmp_path):

@@ -184,13 +184,14 @@ class JSONWriter(EventWriter):
     Each object has ``iteration`` (iterations completed) and every scalar put at that
     iteration (smoothed scalars as the median over ``window_size``). When a run resumes
     from iteration ``start_iter``, lines past it (written after the checkpoint the run
-    resumes from) are dropped so the file tells one consistent history.
+    resumes from) are dropped so the file tells one consistent history; a run that starts
+    at 0 (killed before its first checkpoint, then restarted) drops them all.
     """
 
     def __init__(self, json_file: str, window_size: int = 20, start_iter: int = 0) -> None:
         self.json_file = json_file
         self.window_size = window_size
-        if start_iter > 0 and os.path.exists(json_file):
+        if os.path.exists(json_file):
             _truncate_metrics(json_file, start_iter)
         self._file = open(json_file, "a", encoding="utf-8")
         self._last_write = start_iter
