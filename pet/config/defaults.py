@@ -27,10 +27,16 @@ _C.NUM_THREADS = 0
 _C.DATA = CN()
 # DataLoader worker processes per training/test process.
 _C.DATA.NUM_WORKERS = 2
-# Extra COCO-format datasets registered at start-up, each {name: ..., json: ..., images: ...};
-# they can then be named in TRAIN.DATASETS / TEST.DATASETS.
+# Extra datasets registered at start-up, then named in TRAIN.DATASETS / TEST.DATASETS; each
+# {name, format, path, images, split, classes} (README "Your own data"): format coco (default;
+# path: the JSON, images: its image folder; `json:` is accepted for path), yolo (path: data.yaml,
+# split: train/val/test), voc (path: the VOC root, split: an ImageSets/Main name) or csv (path:
+# the CSV, images: the folder its paths are relative to; columns: {role: header name}). classes:
+# the class list and order (ids 1..K); without it COCO's categories, YOLO's names, or the sorted
+# names of a VOC/CSV set. All training and test sets of a run must share one class list.
 _C.DATA.CUSTOM = []
-# Drop training images that have no usable annotation (test images are always kept).
+# Drop training images that have no usable annotation (test images are always kept). False trains
+# on background images too: they only add negatives (fewer false positives on empty scenes).
 _C.DATA.FILTER_EMPTY = True
 # What to do with an image that cannot be read or decoded: "error" (stop) or "skip" (count it).
 _C.DATA.ON_BAD_IMAGE = "error"

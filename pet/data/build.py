@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from pet.data.catalog import get_dataset, register_custom_datasets
 from pet.data.coco_json import COCODataset, require_masks
-from pet.data.dataset import DetectionDataset, LoadFailure
+from pet.data.dataset import DetectionDataset, LoadFailure, check_same_categories
 from pet.data.mapper import DatasetMapper
 from pet.data.samplers import BatchSampler, EpochSampler, GroupedBatchSampler, InferenceSampler, TrainingSampler
 from pet.data.transforms import resized_shape
@@ -140,13 +140,16 @@ def build_train_loader(cfg: CfgNode, mapper: DatasetMapper | None = None) -> Pet
     Iteration mode (SOLVER.MAX_EPOCHS == 0) uses an infinite sampler; epoch mode a
     finite one whose order changes with ``loader.batch_sampler.set_epoch(epoch)``. Each
     process loads SOLVER.IMS_PER_BATCH / world_size images per batch. ``mapper`` defaults
-    to ``DatasetMapper.from_config(cfg, is_train=True)``.
+    to ``DatasetMapper.from_config(cfg, is_train=True)``. When the run validates
+    (``TEST.EVAL_PERIOD`` > 0), the test sets must have the training sets' class list.
     """
     register_custom_datasets(cfg)
     names = list(cfg.TRAIN.DATASETS)
     if not names:
         raise ConfigError("TRAIN.DATASETS is empty; name at least one registered dataset.")
     sources = [get_dataset(name, strict=cfg.DATA.STRICT) for name in names]
+    if cfg.TEST.EVAL_PERIOD > 0:  # validation would stop on a mismatch later: say so before training
+        check_same_categories([*sources, *(get_dataset(n, strict=cfg.DATA.STRICT) for n in cfg.TEST.DATASETS)])
     _check_num_classes(cfg, sources[0])
     for source in sources:
         log_instances_table(source)
@@ -214,7 +217,8 @@ def per_process_batch_size(total: int, key: str) -> int:
 
 
 def log_instances_table(dataset: COCODataset) -> None:
-    """Log how many usable boxes each class has, three classes per row (as detectron2 does)."""
+    """Log how many usable boxes each class has, three classes per row (as detectron2 does), and how many
+    images have none (background images)."""
     counts = dataset.instances_per_class()
     cells = [(name, int(n)) for name, n in zip(dataset.class_names, counts)]
     cells.append(("total", int(counts.sum())))
@@ -222,8 +226,10 @@ def log_instances_table(dataset: COCODataset) -> None:
     cells += [("", "")] * (-len(cells) % per_row)
     rows = [sum((list(c) for c in cells[i:i + per_row]), []) for i in range(0, len(cells), per_row)]
     header = ["category", "#instances"] * per_row
+    background = sum(1 for r in dataset.records if not len(r["labels"]))
     logger.info(f"Distribution of instances among the {len(counts)} categories of '{dataset.name}':\n"
-                f"{format_table(header, rows)}")
+                f"{format_table(header, rows)}\n"
+                f"background images (no usable box): {background} of {len(dataset)}")
 
 
 def seed_worker(worker_id: int) -> None:
