@@ -38,6 +38,13 @@ _C.DATA.CUSTOM = []
 # Drop training images that have no usable annotation (test images are always kept). False trains
 # on background images too: they only add negatives (fewer false positives on empty scenes).
 _C.DATA.FILTER_EMPTY = True
+# Training sampler: "TrainingSampler" (each image once per pass, shuffled) or
+# "RepeatFactorTrainingSampler" (LVIS' class-balanced sampling: an image is drawn
+# max(1, sqrt(REPEAT_THRESHOLD / f_c)) times per pass, for the rarest class c it contains, f_c the
+# fraction of training images that contain c). Epoch mode uses the epoch version of either.
+_C.DATA.SAMPLER = "TrainingSampler"
+# RepeatFactorTrainingSampler: classes in fewer than this fraction of the training images are repeated.
+_C.DATA.REPEAT_THRESHOLD = 0.001
 # What to do with an image that cannot be read or decoded: "error" (stop) or "skip" (count it).
 _C.DATA.ON_BAD_IMAGE = "error"
 # Reject boxes that are degenerate or outside the image instead of clipping them with a warning.
