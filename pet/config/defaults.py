@@ -76,6 +76,18 @@ _C.INPUT.CONTRAST = 0.0
 _C.INPUT.SATURATION = 0.0
 # Pad batched images so height and width are multiples of this.
 _C.INPUT.SIZE_DIVISIBILITY = 32
+# Training-time crop of a fixed size, before the resize: large images (aerial, 4000x3000) then
+# train at tile scale, like predict's --tile. A side smaller than the crop is kept whole.
+_C.INPUT.CROP = CN()
+_C.INPUT.CROP.ENABLED = False
+# (height, width) of the crop in pixels of the original image.
+_C.INPUT.CROP.SIZE = (800, 800)
+# Probability of placing the crop around a randomly chosen object (the whole object inside when it
+# fits) instead of uniformly over the image: objects are sparse in large images.
+_C.INPUT.CROP.AROUND_OBJECT_PROB = 0.5
+# A box keeps its label only when at least this fraction of its area lies inside the crop; the
+# rest of the cut boxes (and their masks) are dropped.
+_C.INPUT.CROP.MIN_VISIBLE = 0.5
 
 # ---------------------------------------------------------------------------------------
 # Model

@@ -26,7 +26,7 @@ from pet.data.balance import log_repeat_factors, repeat_factors
 from pet.data.catalog import get_dataset, register_custom_datasets
 from pet.data.coco_json import COCODataset, require_masks
 from pet.data.dataset import DetectionDataset, LoadFailure, check_same_categories
-from pet.data.mapper import DatasetMapper
+from pet.data.mapper import DatasetMapper, crop_size
 from pet.data.samplers import (
     BatchSampler,
     EpochSampler,
@@ -207,9 +207,11 @@ def _training_sampler(cfg: CfgNode, dataset: DetectionDataset, seed: int) -> tor
 
 def _group_ids(cfg: CfgNode, dataset: DetectionDataset) -> np.ndarray:
     """Per image: the index of its padded training size (``DATA.SIZE_GROUPING`` with one training scale),
-    else landscape (1) or portrait (0)."""
+    else landscape (1) or portrait (0); both after the INPUT.CROP, when enabled."""
     scales = tuple(cfg.INPUT.MIN_SIZE_TRAIN)
     sizes = dataset.image_sizes
+    if cfg.INPUT.CROP.ENABLED:
+        sizes = np.minimum(sizes, np.array(crop_size(cfg)))
     if cfg.DATA.SIZE_GROUPING and len(scales) == 1:
         if scales[0] > 0:
             max_size = cfg.INPUT.MAX_SIZE_TRAIN
