@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from format_sets import BACKGROUND, CLASSES, RARE, write_all_formats
-from helpers import DEMO_CFG, run_train_net_here
+from helpers import DEMO_CFG, ROOT, run_train_net_here
 
 from pet.config import load_cfg
 from pet.data import build_train_loader, get_dataset
@@ -496,3 +496,27 @@ def _move_first_box(json_file, dx: float) -> None:
     data = json.loads(open(json_file).read())
     data["annotations"][0]["bbox"][0] += dx
     open(json_file, "w").write(json.dumps(data))
+
+
+# --------------------------------------------------------------------------- the README's entries
+
+
+def _readme_yaml(marker: str) -> str:
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        return next(b for b in re.findall(r"```yaml\n(.*?)```", f.read(), flags=re.S) if marker in b)
+
+
+def test_the_readme_entries_of_each_format_register_and_its_data_settings_load(tmp_path, monkeypatch):
+    from pet.data import catalog
+    from pet.data.catalog import get_dataset_spec, register_custom_datasets
+
+    monkeypatch.setattr(catalog, "_REGISTERED", dict(catalog._REGISTERED))  # the README's names stay in this test
+    (tmp_path / "formats.yaml").write_text(_readme_yaml("format: voc"))
+    cfg = load_cfg(str(tmp_path / "formats.yaml"), [])
+    register_custom_datasets(cfg)
+    specs = {entry["name"]: get_dataset_spec(entry["name"]) for entry in cfg.DATA.CUSTOM}
+    assert {s.format for s in specs.values()} == set(FORMATS)
+    assert specs["cones_val"].split == "val" and specs["trees_train"].classes == ("Tree", "Snag")
+    (tmp_path / "settings.yaml").write_text(_readme_yaml("REPEAT_THRESHOLD"))
+    settings = load_cfg(str(tmp_path / "settings.yaml"), [])
+    assert settings.DATA.SAMPLER == "RepeatFactorTrainingSampler" and settings.INPUT.CROP.SIZE == (800, 800)
