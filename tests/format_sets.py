@@ -52,6 +52,8 @@ def make_images(seed: int = 0) -> list[Image]:
             for k in range(max(int(rng.integers(1, 4)), 2 if i == 7 else 1)):  # image 7: a crowd box and more
                 w, h = (int(v) for v in rng.integers(8, 20, size=2))
                 x, y = int(rng.integers(0, width - w)), int(rng.integers(0, height - h))
+                if i == 1 and k == 0:
+                    x = y = 0  # on the image's edge: YOLO's normalised 0 must read back as exactly 0
                 name = RARE if i == 5 and k == 0 else ("circle", "rectangle", "triangle")[int(rng.integers(3))]
                 image.boxes.append(Box(x, y, w, h, name, crowd=(i == 7 and k == 0)))
                 colour = tuple(int(c) for c in (60 + 60 * CLASSES.index(name), 255, 200 - 40 * CLASSES.index(name)))

@@ -222,13 +222,15 @@ def test_keras_retinanet_csv_without_header_and_with_empty_images(tmp_path):
     assert read.coco["categories"] == [{"id": 1, "name": "sheep"}, {"id": 2, "name": "cow"}]
 
 
-def test_deepforest_csv_with_header_zero_box_images_and_renamed_columns(tmp_path):
+def test_deepforest_csv_with_header_zero_box_images_and_renamed_columns(tmp_path, caplog):
     for name in ("t1.tif", "t2.tif"):
         _jpeg(tmp_path / name, 40, 40)
     (tmp_path / "trees.csv").write_text(
-        "image_path,xmin,ymin,xmax,ymax,label\nt1.tif,1,2,11,12,Tree\nt2.tif,0,0,0,0,Tree\n")
-    dataset = get_dataset(_register({"format": "csv", "path": str(tmp_path / "trees.csv")}))
+        "image_path,xmin,ymin,xmax,ymax,label\nt1.tif,1,2,11,12,Tree\nt2.tif,0,0,0,0,Snag\n")
+    with caplog.at_level(logging.WARNING):
+        dataset = get_dataset(_register({"format": "csv", "path": str(tmp_path / "trees.csv")}))
     assert dataset.class_names == ["Tree"] and [len(r["labels"]) for r in dataset.records] == [1, 0]
+    assert not caplog.records  # the zero box marks an empty image: it is no box to drop, its label no class
     # Another tool's header (TensorFlow's CSV): columns named per role, extra columns ignored.
     (tmp_path / "tf.csv").write_text("filename,width,height,class,xmin,ymin,xmax,ymax\nt1.tif,40,40,Tree,1,2,11,12\n")
     read = read_csv(str(tmp_path / "tf.csv"), columns={"image_path": "filename", "label": "class"})
@@ -257,6 +259,21 @@ def test_ultralytics_layout_list_files_dict_names_polygons_and_missing_labels(tm
     assert polygon["segmentation"] == [[8.0, 4.0, 24.0, 4.0, 16.0, 16.0]]
     assert read.coco["categories"] == [{"id": 1, "name": "person"}, {"id": 2, "name": "bus"}]
     assert len(read_yolo(str(tmp_path / "cfg" / "mini.yaml"), "val").coco["images"]) == 1
+
+
+def test_yolo_labels_written_from_pixel_boxes_read_back_as_exactly_those_pixels(tmp_path):
+    """Normalising and back leaves float noise (0 becomes 2e-9): Pet rounds it away at 1e-6 px, far below the
+    labels' precision, so a box reads back to the same float32 a COCO file gives."""
+    width, height = 97, 61
+    _jpeg(tmp_path / "images" / "train" / "a.jpg", width, height)
+    boxes = [(x, y, w, h) for x in (0, 3, 50) for y in (0, 7) for w in range(1, 40, 3) for h in (1, 5, 23)
+             if x + w <= width and y + h <= height]
+    lines = [f"0 {(x + w / 2) / width:.10g} {(y + h / 2) / height:.10g} {w / width:.10g} {h / height:.10g}"
+             for x, y, w, h in boxes]
+    _write(tmp_path / "labels" / "train" / "a.txt", "\n".join(lines) + "\n")
+    (tmp_path / "data.yaml").write_text("train: images/train\nnames: [thing]\n")
+    read = read_yolo(str(tmp_path / "data.yaml"), "train")
+    assert [tuple(a["bbox"]) for a in read.coco["annotations"]] == [tuple(map(float, b)) for b in boxes]
 
 
 def test_a_set_as_ultralytics_convert_coco_writes_it_scores_the_coco_original(tmp_path):

@@ -34,6 +34,8 @@ HAND_AP = 0.75
 def test_voc_ap_is_the_area_under_the_precision_envelope():
     assert voc_ap([0.5, 0.5, 0.5, 1.0], [1.0, 0.5, 1 / 3, 0.5]) == pytest.approx(HAND_AP)
     assert voc_ap([0.25, 0.5, 0.5, 0.75], [1.0, 1.0, 2 / 3, 0.75]) == pytest.approx(0.25 + 0.25 + 0.25 * 0.75)
+    # A false positive first: the envelope lifts the first recall step to the later precision 2/3 (without it, 7/12).
+    assert voc_ap([0.0, 0.5, 1.0], [0.0, 0.5, 2 / 3]) == pytest.approx(2 / 3)
     assert voc_ap([], []) == 0.0
 
 
