@@ -95,6 +95,9 @@ def _tiny_run_cfg(tmp_path, name: str):
         "SOLVER.MAX_ITER", 30, "SOLVER.IMS_PER_BATCH", 2, "SOLVER.WARMUP_ITERS", 5, "SOLVER.AMP.ENABLED", False,
         "DATA.NUM_WORKERS", 0, "DATA.FILTER_EMPTY", False, "INPUT.SIZE_DIVISIBILITY", 32, "DISPLAY_ITER", 30,
         "HOOKS.CHECKPOINT.PERIOD", 0, "TRAIN.AUTO_RESUME", False, "MODEL.FLOPS_INPUT_SIZE", "(64, 64)",
+        # A slimmer demo model: the test is about the data, four runs of it must stay cheap.
+        "MODEL.FPN.OUT_CHANNELS", 32, "MODEL.RPN.PRE_NMS_TOPK_TRAIN", 200, "MODEL.RPN.POST_NMS_TOPK_TRAIN", 100,
+        "MODEL.ROI_HEADS.BATCH_SIZE_PER_IMAGE", 32, "MODEL.ROI_BOX_HEAD.MLP_DIM", 64,
     ])
 
 
