@@ -61,20 +61,20 @@ def run_tool(
     return proc
 
 
-def run_train_net_here(monkeypatch: Any, capsys: Any, *args: object) -> tuple[int, str]:
-    """Run tools/train_net.py in this process (a subprocess each would cost seconds); (exit status, stderr).
+def run_tool_here(monkeypatch: Any, capsys: Any, tool: str, *args: object) -> tuple[int, str]:
+    """Run ``tools/<tool>`` in this process (a subprocess each would cost seconds); (exit status, stderr).
 
     ``monkeypatch`` and ``capsys`` are the calling test's fixtures.
     """
     pet_logger = logging.getLogger("pet")
     saved = pet_logger.handlers[:], pet_logger.propagate, pet_logger.level
-    monkeypatch.setattr(sys, "argv", ["train_net.py", *map(str, args)])
+    monkeypatch.setattr(sys, "argv", [tool, *map(str, args)])
     status = 0
     try:
-        runpy.run_path(os.path.join(ROOT, "tools", "train_net.py"), run_name="__main__")
+        runpy.run_path(os.path.join(ROOT, "tools", tool), run_name="__main__")
     except SystemExit as exc:
         status = exc.code
-    finally:  # train_net reconfigures the 'pet' logger; later tests rely on it propagating
+    finally:  # the tools reconfigure the 'pet' logger; later tests rely on it propagating
         for handler in set(pet_logger.handlers) - set(saved[0]):
             handler.close()
         pet_logger.handlers[:], pet_logger.propagate = saved[0], saved[1]

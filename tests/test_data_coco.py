@@ -17,7 +17,7 @@ from helpers import (
     data_cfg,
     register_split,
     run_tool,
-    run_train_net_here,
+    run_tool_here,
     single_dataset_opts,
     write_coco,
 )
@@ -257,8 +257,8 @@ def test_bad_data_stops_train_net_with_one_clear_line(tmp_path, monkeypatch, cap
     if "remove" in spec:
         os.remove(os.path.join(image_dir, spec["remove"]))
     name = f"bad_{uuid.uuid4().hex[:8]}"
-    status, stderr = run_train_net_here(monkeypatch, capsys, *_train_opts(tmp_path, name, json_file, image_dir),
-                                         *spec.get("opts", []))
+    status, stderr = run_tool_here(monkeypatch, capsys, "train_net.py",
+                                   *_train_opts(tmp_path, name, json_file, image_dir), *spec.get("opts", []))
     assert status == 2, stderr
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: "), stderr

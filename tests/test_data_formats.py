@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from format_sets import BACKGROUND, CLASSES, RARE, write_all_formats
-from helpers import DEMO_CFG, ROOT, run_train_net_here
+from helpers import DEMO_CFG, ROOT, run_tool_here
 
 from pet.config import load_cfg
 from pet.data import build_train_loader, get_dataset
@@ -22,6 +22,7 @@ from pet.data.catalog import register_dataset
 from pet.data.formats import image_size, read_csv, read_yolo
 from pet.engine.defaults import seed_everything
 from pet.engine.trainer import Trainer
+from pet.modeling import build_model
 from pet.utils.errors import DataError
 
 FORMATS = ("coco", "yolo", "voc", "csv")
@@ -483,10 +484,11 @@ def test_bad_labels_stop_train_net_with_one_line_naming_the_place_and_write_noth
     before = _snapshot(tmp_path / "data")
     name = _name()
     custom = [{"name": name, **spec, **extra}]
-    status, stderr = run_train_net_here(
-        monkeypatch, capsys, "--cfg", DEMO_CFG, "CKPT", tmp_path / "run", "DATA.CUSTOM", repr(custom),
-        "TRAIN.DATASETS", f"('{name}',)", "TEST.DATASETS", f"('{name}',)", "MODEL.NUM_CLASSES", len(CLASSES),
-        "SOLVER.MAX_ITER", 1, "SOLVER.IMS_PER_BATCH", 2, "DATA.NUM_WORKERS", 0, "TRAIN.AUTO_RESUME", False, *opts)
+    status, stderr = run_tool_here(
+        monkeypatch, capsys, "train_net.py", "--cfg", DEMO_CFG, "CKPT", tmp_path / "run",
+        "DATA.CUSTOM", repr(custom), "TRAIN.DATASETS", f"('{name}',)", "TEST.DATASETS", f"('{name}',)",
+        "MODEL.NUM_CLASSES", len(CLASSES), "SOLVER.MAX_ITER", 1, "SOLVER.IMS_PER_BATCH", 2, "DATA.NUM_WORKERS", 0,
+        "TRAIN.AUTO_RESUME", False, *opts)
     assert status == 2, stderr
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: "), stderr
@@ -516,6 +518,29 @@ def _move_first_box(json_file, dx: float) -> None:
     data = json.loads(open(json_file).read())
     data["annotations"][0]["bbox"][0] += dx
     open(json_file, "w").write(json.dumps(data))
+
+
+# --------------------------------------------------------------------------- the tools
+
+
+def test_visualize_data_and_test_net_work_on_a_voc_set(four_formats, tmp_path, monkeypatch, capsys):
+    """The tools see a dataset of any format as they see a COCO one: pictures with class names, COCO metrics plus
+    VOC's own for a voc set, and results files with the dataset's category ids."""
+    name = four_formats["voc"]
+    opts = ["DEVICE", "cpu", "MODEL.NUM_CLASSES", len(CLASSES), "TRAIN.DATASETS", f"('{name}',)",
+            "TEST.DATASETS", f"('{name}',)", "INPUT.MIN_SIZE_TEST", 64, "DATA.NUM_WORKERS", 0]
+    status, stderr = run_tool_here(monkeypatch, capsys, "visualize_data.py", "--cfg", DEMO_CFG, "--split", "test",
+                                   "--num", 2, "--out", tmp_path / "vis", *opts)
+    assert status == 0 and sorted(os.listdir(tmp_path / "vis")) == ["test_000_id1.png", "test_001_id2.png"], stderr
+    cfg = load_cfg(DEMO_CFG, [*opts, "CKPT", str(tmp_path / "run"), "TEST.NUM_WARMUP", 0])
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    torch.save({"model": model.state_dict()}, tmp_path / "weights.pth")
+    status, stderr = run_tool_here(monkeypatch, capsys, "test_net.py", "--cfg", DEMO_CFG, *opts, "CKPT",
+                                   tmp_path / "run", "TEST.WEIGHTS", tmp_path / "weights.pth", "TEST.NUM_WARMUP", 0)
+    assert status == 0, stderr
+    metrics = json.loads((tmp_path / "run" / "test" / "metrics.json").read_text())["metrics"]
+    assert {"bbox/VOC_AP50", "bbox/AP", "bbox/AP-star"} <= metrics.keys(), sorted(metrics)
 
 
 # --------------------------------------------------------------------------- the README's entries
