@@ -503,7 +503,7 @@ def test_a_box_outside_its_image_is_clipped_with_one_warning_naming_it(tmp_path,
     outside = {"yolo": lambda: _append(tmp_path / "yolo/labels/train/img_001.txt", "0 0.95 0.5 0.3 0.2\n"),
                "voc": lambda: _replace(tmp_path / "voc/Annotations/img_001.xml", "<xmin>", "<xmin>-2"),
                "csv": lambda: _append(tmp_path / "csv/boxes.csv", "img_001.jpg,30,2,90,9,circle\n"),
-               "coco": lambda: _move_first_box(tmp_path / "coco/ann.json", dx=-20)}
+               "coco": lambda: _move_first_box(tmp_path / "coco/ann.json", dx=-5)}
     outside[fmt]()
     with caplog.at_level(logging.WARNING, logger="pet.data.coco_json"):
         dataset = get_dataset(_register(spec))
