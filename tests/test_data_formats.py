@@ -424,6 +424,8 @@ _BAD = {
                            r"YOLO data file not found: .*data.yaml. Point `path`", {}, []),
     "yolo: yaml syntax": ("yolo", lambda r: _append(r / "yolo" / "data.yaml", "train: [unclosed\n"),
                           r"data.yaml:\d+: not valid YAML", {}, []),
+    "yolo: a class named twice": ("yolo", lambda r: _replace(r / "yolo" / "data.yaml", "3: triangle", "3: star"),
+                                  r"The class list of .*data.yaml repeats \['star'\]", {}, []),
     "yolo: no such split": ("yolo", None, r"data.yaml has no 'test' split \(it has \['train', 'val'\]\)",
                             {"split": "test"}, []),
     "yolo: class index out of range": ("yolo", lambda r: _append(r / "yolo/labels/train/img_001.txt",

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from pet.data.formats.common import ClassList, ReadAnnotations, image_size
+from pet.data.formats.common import ReadAnnotations, image_size
 from pet.data.formats.csv import CSV_COLUMNS, read_csv
 from pet.data.formats.voc import read_voc
 from pet.data.formats.yolo import read_yolo
 
-__all__ = ["FORMATS", "CSV_COLUMNS", "ClassList", "ReadAnnotations", "image_size", "read_annotations", "read_csv",
+__all__ = ["FORMATS", "CSV_COLUMNS", "ReadAnnotations", "image_size", "read_annotations", "read_csv",
            "read_voc", "read_yolo"]
 
 # The values of a DATA.CUSTOM entry's `format`.

@@ -15,7 +15,7 @@ from typing import Any
 
 from pet.utils.errors import DataError
 
-__all__ = ["ReadAnnotations", "ClassList", "image_size", "IMAGE_EXTENSIONS"]
+__all__ = ["ReadAnnotations", "ClassList", "check_class_names", "image_size", "relative_to", "IMAGE_EXTENSIONS"]
 
 # Image files a folder listing picks up (Ultralytics' list, less the formats opencv cannot decode).
 IMAGE_EXTENSIONS = (".bmp", ".dng", ".jpeg", ".jpg", ".jp2", ".png", ".tif", ".tiff", ".webp", ".pfm")
@@ -45,7 +45,7 @@ class ClassList:
     def __init__(self, classes: Sequence[str] | None, default: Sequence[str] | None = None) -> None:
         self.fixed = list(classes) if classes else (list(default) if default is not None else None)
         self.given = bool(classes)
-        self._found: dict[str, str] = {}  # name -> where first seen
+        self._found: set[str] = set()
 
     def see(self, name: str, where: str) -> None:
         """Note a class name read at ``where``; with a fixed list, an unknown name is a :class:`DataError`."""
@@ -53,7 +53,7 @@ class ClassList:
             source = "the dataset's `classes` list" if self.given else "the dataset's class names"
             raise DataError(f"{where}: class '{name}' is not in {source} {self.fixed}. Fix the label, or add "
                             f"'{name}' to `classes` in the DATA.CUSTOM entry (every split must use the same list).")
-        self._found.setdefault(name, where)
+        self._found.add(name)
 
     def ids(self) -> dict[str, int]:
         """name -> category id (1-based)."""

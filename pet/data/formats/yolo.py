@@ -24,7 +24,14 @@ from typing import Any
 import numpy as np
 import yaml
 
-from pet.data.formats.common import IMAGE_EXTENSIONS, ClassList, ReadAnnotations, image_size, relative_to
+from pet.data.formats.common import (
+    IMAGE_EXTENSIONS,
+    ClassList,
+    ReadAnnotations,
+    check_class_names,
+    image_size,
+    relative_to,
+)
 from pet.utils.errors import DataError
 
 __all__ = ["read_yolo", "label_path"]
@@ -54,6 +61,7 @@ def read_yolo(data_yaml: str, split: str, classes: Sequence[str] | None = None) 
     names = _names(config, data_yaml)
     class_list = ClassList(classes, default=names)
     image_paths = _list_images(config[split], root, data_yaml, split)
+    category_ids = class_list.ids()  # known up-front: `names` (or `classes`) lists every class
 
     images, annotations, origins = [], [], {}
     for image_id, path in enumerate(image_paths, 1):
@@ -64,12 +72,9 @@ def read_yolo(data_yaml: str, split: str, classes: Sequence[str] | None = None) 
             where = f"{labels}:{line_no}"
             class_list.see(names[cls], where)
             ann = _annotation(len(annotations) + 1, image_id, values, width, height)
-            ann["category_id"] = names[cls]  # a name until the class list is complete
+            ann["category_id"] = category_ids[names[cls]]
             annotations.append(ann)
             origins[ann["id"]] = where
-    ids = class_list.ids()
-    for ann in annotations:
-        ann["category_id"] = ids[ann["category_id"]]
     coco = {"images": images, "annotations": annotations, "categories": class_list.categories()}
     return ReadAnnotations(coco, root, origins)
 
@@ -102,7 +107,7 @@ def _names(config: dict[str, Any], data_yaml: str) -> list[str]:
         names = [f"class{i}" for i in range(config["nc"])]  # Ultralytics' names for a set that gives only nc
     if not isinstance(names, list) or not names:
         raise DataError(f"{data_yaml} has no class list: add 'names' (a list, or a dict {{0: name, ...}}).")
-    return [str(n) for n in names]
+    return check_class_names(names, data_yaml)
 
 
 def _list_images(source: Any, root: str, data_yaml: str, split: str) -> list[str]:
