@@ -26,6 +26,9 @@ setup(
         "torch>=2.4,<=2.14.1",
         "torchvision>=0.19,<=0.29.1",
         "opencv-python-headless>=4.5",
+        # Image sizes from file headers (YOLO and CSV labels have none), without decoding pixels; torchvision
+        # installs it already, this names the dependency Pet uses directly.
+        "Pillow>=9.1",
         "pycocotools>=2.0.6",
         "fvcore>=0.1.5.post20221221",
         "tensorboard>=2.10",

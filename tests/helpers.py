@@ -6,7 +6,9 @@ shapes sets); this module holds plain functions and constants, imported as ``fro
 from __future__ import annotations
 
 import json
+import logging
 import os
+import runpy
 import select
 import subprocess
 import sys
@@ -57,6 +59,27 @@ def run_tool(
         output = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         raise AssertionError(f"{tool} x{nproc} failed ({proc.returncode}):\n{output}")
     return proc
+
+
+def run_tool_here(monkeypatch: Any, capsys: Any, tool: str, *args: object) -> tuple[int, str]:
+    """Run ``tools/<tool>`` in this process (a subprocess each would cost seconds); (exit status, stderr).
+
+    ``monkeypatch`` and ``capsys`` are the calling test's fixtures.
+    """
+    pet_logger = logging.getLogger("pet")
+    saved = pet_logger.handlers[:], pet_logger.propagate, pet_logger.level
+    monkeypatch.setattr(sys, "argv", [tool, *map(str, args)])
+    status = 0
+    try:
+        runpy.run_path(os.path.join(ROOT, "tools", tool), run_name="__main__")
+    except SystemExit as exc:
+        status = exc.code
+    finally:  # the tools reconfigure the 'pet' logger; later tests rely on it propagating
+        for handler in set(pet_logger.handlers) - set(saved[0]):
+            handler.close()
+        pet_logger.handlers[:], pet_logger.propagate = saved[0], saved[1]
+        pet_logger.setLevel(saved[2])
+    return status, capsys.readouterr().err
 
 
 def custom_datasets(*datasets: tuple[str, str, str]) -> str:

@@ -7,14 +7,20 @@ import json
 import logging
 import os
 import re
-import runpy
-import sys
 import uuid
 
 import cv2
 import numpy as np
 import pytest
-from helpers import DEMO_CFG, ROOT, data_cfg, register_split, run_tool, single_dataset_opts, write_coco
+from helpers import (
+    DEMO_CFG,
+    data_cfg,
+    register_split,
+    run_tool,
+    run_tool_here,
+    single_dataset_opts,
+    write_coco,
+)
 
 from pet.data import (
     build_test_loader,
@@ -71,7 +77,7 @@ def test_builtin_paths_follow_data_root(monkeypatch, tmp_path):
 
     monkeypatch.setenv("PET_DATA_ROOT", str(tmp_path))
     spec = get_dataset_spec("coco_2017_val")
-    assert spec.json_file == str(tmp_path / "coco" / "annotations" / "instances_val2017.json")
+    assert spec.path == str(tmp_path / "coco" / "annotations" / "instances_val2017.json")
     assert spec.image_root == str(tmp_path / "coco" / "val2017")
 
 
@@ -81,7 +87,7 @@ def test_custom_datasets_from_config(tmp_path):
                num_classes=1)
     images, targets = next(iter(build_train_loader(cfg)))
     assert images.shape[0] == 4 and targets[0]["labels"].tolist() == [1]
-    with pytest.raises(ConfigError, match=r"DATA.CUSTOM\[0\] lacks \['images'\]"):
+    with pytest.raises(ConfigError, match=r"DATA.CUSTOM\[0\]: .* lacks images"):
         build_train_loader(data_cfg(custom=[{"name": "x", "json": json_file}]))
 
 
@@ -232,24 +238,6 @@ _BAD_DATA = {
 }
 
 
-def _run_train_net_here(monkeypatch, capsys, *args) -> tuple[int, str]:
-    """Run tools/train_net.py in this process (a subprocess each would cost seconds); (exit status, stderr)."""
-    pet_logger = logging.getLogger("pet")
-    saved = pet_logger.handlers[:], pet_logger.propagate, pet_logger.level
-    monkeypatch.setattr(sys, "argv", ["train_net.py", *map(str, args)])
-    status = 0
-    try:
-        runpy.run_path(os.path.join(ROOT, "tools", "train_net.py"), run_name="__main__")
-    except SystemExit as exc:
-        status = exc.code
-    finally:  # train_net reconfigures the 'pet' logger; later tests rely on it propagating
-        for handler in set(pet_logger.handlers) - set(saved[0]):
-            handler.close()
-        pet_logger.handlers[:], pet_logger.propagate = saved[0], saved[1]
-        pet_logger.setLevel(saved[2])
-    return status, capsys.readouterr().err
-
-
 def _train_opts(tmp_path, name: str, json_file: str, image_dir: str) -> list[str]:
     return ["--cfg", DEMO_CFG, "CKPT", tmp_path / "run", *single_dataset_opts(json_file, image_dir, name),
             "MODEL.NUM_CLASSES", 1, "SOLVER.IMS_PER_BATCH", 2, "SOLVER.MAX_ITER", 2, "TEST.EVAL_PERIOD", 0,
@@ -269,8 +257,8 @@ def test_bad_data_stops_train_net_with_one_clear_line(tmp_path, monkeypatch, cap
     if "remove" in spec:
         os.remove(os.path.join(image_dir, spec["remove"]))
     name = f"bad_{uuid.uuid4().hex[:8]}"
-    status, stderr = _run_train_net_here(monkeypatch, capsys, *_train_opts(tmp_path, name, json_file, image_dir),
-                                         *spec.get("opts", []))
+    status, stderr = run_tool_here(monkeypatch, capsys, "train_net.py",
+                                   *_train_opts(tmp_path, name, json_file, image_dir), *spec.get("opts", []))
     assert status == 2, stderr
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: "), stderr

@@ -27,11 +27,24 @@ _C.NUM_THREADS = 0
 _C.DATA = CN()
 # DataLoader worker processes per training/test process.
 _C.DATA.NUM_WORKERS = 2
-# Extra COCO-format datasets registered at start-up, each {name: ..., json: ..., images: ...};
-# they can then be named in TRAIN.DATASETS / TEST.DATASETS.
+# Extra datasets registered at start-up, then named in TRAIN.DATASETS / TEST.DATASETS; each
+# {name, format, path, images, split, classes} (README "Your own data"): format coco (default;
+# path: the JSON, images: its image folder; `json:` is accepted for path), yolo (path: data.yaml,
+# split: train/val/test), voc (path: the VOC root, split: an ImageSets/Main name) or csv (path:
+# the CSV, images: the folder its paths are relative to; columns: {role: header name}). classes:
+# the class list and order (ids 1..K); without it COCO's categories, YOLO's names, or the sorted
+# names of a VOC/CSV set. All training and test sets of a run must share one class list.
 _C.DATA.CUSTOM = []
-# Drop training images that have no usable annotation (test images are always kept).
+# Drop training images that have no usable annotation (test images are always kept). False trains
+# on background images too: they only add negatives (fewer false positives on empty scenes).
 _C.DATA.FILTER_EMPTY = True
+# Training sampler: "TrainingSampler" (each image once per pass, shuffled) or
+# "RepeatFactorTrainingSampler" (LVIS' class-balanced sampling: an image is drawn
+# max(1, sqrt(REPEAT_THRESHOLD / f_c)) times per pass, for the rarest class c it contains, f_c the
+# fraction of training images that contain c). Epoch mode uses the epoch version of either.
+_C.DATA.SAMPLER = "TrainingSampler"
+# RepeatFactorTrainingSampler: classes in fewer than this fraction of the training images are repeated.
+_C.DATA.REPEAT_THRESHOLD = 0.001
 # What to do with an image that cannot be read or decoded: "error" (stop) or "skip" (count it).
 _C.DATA.ON_BAD_IMAGE = "error"
 # Reject boxes that are degenerate or outside the image instead of clipping them with a warning.
@@ -63,6 +76,18 @@ _C.INPUT.CONTRAST = 0.0
 _C.INPUT.SATURATION = 0.0
 # Pad batched images so height and width are multiples of this.
 _C.INPUT.SIZE_DIVISIBILITY = 32
+# Training-time crop of a fixed size, before the resize: large images (aerial, 4000x3000) then
+# train at tile scale, like predict's --tile. A side smaller than the crop is kept whole.
+_C.INPUT.CROP = CN()
+_C.INPUT.CROP.ENABLED = False
+# (height, width) of the crop in pixels of the original image.
+_C.INPUT.CROP.SIZE = (800, 800)
+# Probability of placing the crop around a randomly chosen object (the whole object inside when it
+# fits) instead of uniformly over the image: objects are sparse in large images.
+_C.INPUT.CROP.AROUND_OBJECT_PROB = 0.5
+# A box keeps its label only when at least this fraction of its area lies inside the crop; the
+# rest of the cut boxes (and their masks) are dropped.
+_C.INPUT.CROP.MIN_VISIBLE = 0.5
 
 # ---------------------------------------------------------------------------------------
 # Model

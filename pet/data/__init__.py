@@ -1,4 +1,4 @@
-"""COCO-format datasets, the dataset catalog, opencv transforms, samplers and loaders."""
+"""Datasets (COCO JSON, YOLO, Pascal VOC, CSV), the dataset catalog, opencv transforms, samplers and loaders."""
 from pet.data.build import build_test_loader, build_train_loader, collate_batch
 from pet.data.catalog import (
     data_root,
@@ -6,6 +6,7 @@ from pet.data.catalog import (
     list_datasets,
     register_coco_dataset,
     register_custom_datasets,
+    register_dataset,
 )
 from pet.data.coco_json import COCODataset, load_coco_json
 from pet.data.dataset import DetectionDataset, read_image
@@ -14,6 +15,6 @@ from pet.data.shapes import SHAPE_CLASSES, generate_shapes
 
 __all__ = [
     "build_train_loader", "build_test_loader", "collate_batch", "data_root", "get_dataset", "list_datasets",
-    "register_coco_dataset", "register_custom_datasets", "COCODataset", "DetectionDataset", "load_coco_json",
-    "read_image", "DatasetMapper", "build_augmentations", "SHAPE_CLASSES", "generate_shapes",
+    "register_coco_dataset", "register_custom_datasets", "register_dataset", "COCODataset", "DetectionDataset",
+    "load_coco_json", "read_image", "DatasetMapper", "build_augmentations", "SHAPE_CLASSES", "generate_shapes",
 ]

@@ -22,11 +22,20 @@ import torch
 from fvcore.common.config import CfgNode
 from torch.utils.data import DataLoader
 
+from pet.data.balance import log_repeat_factors, repeat_factors
 from pet.data.catalog import get_dataset, register_custom_datasets
 from pet.data.coco_json import COCODataset, require_masks
-from pet.data.dataset import DetectionDataset, LoadFailure
-from pet.data.mapper import DatasetMapper
-from pet.data.samplers import BatchSampler, EpochSampler, GroupedBatchSampler, InferenceSampler, TrainingSampler
+from pet.data.dataset import DetectionDataset, LoadFailure, check_same_categories
+from pet.data.mapper import DatasetMapper, crop_size
+from pet.data.samplers import (
+    BatchSampler,
+    EpochSampler,
+    GroupedBatchSampler,
+    InferenceSampler,
+    RepeatFactorEpochSampler,
+    RepeatFactorTrainingSampler,
+    TrainingSampler,
+)
 from pet.data.transforms import resized_shape
 from pet.utils import comm
 from pet.utils.errors import ConfigError, DataError
@@ -138,15 +147,21 @@ def build_train_loader(cfg: CfgNode, mapper: DatasetMapper | None = None) -> Pet
     """The training loader over the concatenation of ``TRAIN.DATASETS``.
 
     Iteration mode (SOLVER.MAX_EPOCHS == 0) uses an infinite sampler; epoch mode a
-    finite one whose order changes with ``loader.batch_sampler.set_epoch(epoch)``. Each
+    finite one whose order changes with ``loader.batch_sampler.set_epoch(epoch)``; either
+    repeats images of rare classes with ``DATA.SAMPLER RepeatFactorTrainingSampler``. Each
     process loads SOLVER.IMS_PER_BATCH / world_size images per batch. ``mapper`` defaults
-    to ``DatasetMapper.from_config(cfg, is_train=True)``.
+    to ``DatasetMapper.from_config(cfg, is_train=True)``. When the run validates
+    (``TEST.EVAL_PERIOD`` > 0), the test sets must have the training sets' class list.
     """
     register_custom_datasets(cfg)
     names = list(cfg.TRAIN.DATASETS)
     if not names:
         raise ConfigError("TRAIN.DATASETS is empty; name at least one registered dataset.")
+    if cfg.DATA.SAMPLER not in _SAMPLERS:
+        raise ConfigError(f"DATA.SAMPLER must be one of {list(_SAMPLERS)}, got {cfg.DATA.SAMPLER!r}.")
     sources = [get_dataset(name, strict=cfg.DATA.STRICT) for name in names]
+    if cfg.TEST.EVAL_PERIOD > 0:  # validation would stop on a mismatch later: say so before training
+        check_same_categories([*sources, *(get_dataset(n, strict=cfg.DATA.STRICT) for n in cfg.TEST.DATASETS)])
     _check_num_classes(cfg, sources[0])
     for source in sources:
         log_instances_table(source)
@@ -158,13 +173,10 @@ def build_train_loader(cfg: CfgNode, mapper: DatasetMapper | None = None) -> Pet
     )
     batch_size = per_process_batch_size(cfg.SOLVER.IMS_PER_BATCH, "SOLVER.IMS_PER_BATCH")
     seed = _shared_seed(cfg.SEED)
-    if cfg.SOLVER.MAX_EPOCHS > 0:
-        sampler: torch.utils.data.Sampler = EpochSampler(len(dataset), seed)
-        if len(sampler) < batch_size:
-            raise ConfigError(f"Dataset '{dataset.name}' gives {len(sampler)} images per process and epoch, fewer "
-                              f"than the per-process batch of {batch_size}; lower SOLVER.IMS_PER_BATCH.")
-    else:
-        sampler = TrainingSampler(len(dataset), seed)
+    sampler = _training_sampler(cfg, dataset, seed)
+    if cfg.SOLVER.MAX_EPOCHS > 0 and len(sampler) < batch_size:
+        raise ConfigError(f"Dataset '{dataset.name}' gives {len(sampler)} images per process and epoch, fewer "
+                          f"than the per-process batch of {batch_size}; lower SOLVER.IMS_PER_BATCH.")
     if cfg.DATA.SIZE_GROUPING or cfg.DATA.ASPECT_RATIO_GROUPING:
         batch_sampler: torch.utils.data.Sampler = GroupedBatchSampler(sampler, _group_ids(cfg, dataset), batch_size)
     else:
@@ -172,19 +184,44 @@ def build_train_loader(cfg: CfgNode, mapper: DatasetMapper | None = None) -> Pet
     return _make_loader(cfg, dataset, seed, batch_sampler=batch_sampler)
 
 
+# DATA.SAMPLER -> (iteration-mode sampler, epoch-mode sampler).
+_SAMPLERS = {
+    "TrainingSampler": (TrainingSampler, EpochSampler),
+    "RepeatFactorTrainingSampler": (RepeatFactorTrainingSampler, RepeatFactorEpochSampler),
+}
+
+
+def _training_sampler(cfg: CfgNode, dataset: DetectionDataset, seed: int) -> torch.utils.data.Sampler:
+    iteration_mode, epoch_mode = _SAMPLERS[cfg.DATA.SAMPLER]
+    sampler_class = epoch_mode if cfg.SOLVER.MAX_EPOCHS > 0 else iteration_mode
+    if cfg.DATA.SAMPLER == "TrainingSampler":
+        return sampler_class(len(dataset), seed)
+    threshold = cfg.DATA.REPEAT_THRESHOLD
+    if not threshold >= 0:
+        raise ConfigError(f"DATA.REPEAT_THRESHOLD must be a fraction >= 0 of the training images, got {threshold}.")
+    image_labels = [dataset.record(i)["labels"] for i in range(len(dataset))]
+    factors = repeat_factors(image_labels, len(dataset.class_names), threshold)
+    log_repeat_factors(image_labels, factors, dataset.class_names, threshold)
+    return sampler_class(factors, seed)
+
+
 def _group_ids(cfg: CfgNode, dataset: DetectionDataset) -> np.ndarray:
     """Per image: the index of its padded training size (``DATA.SIZE_GROUPING`` with one training scale),
-    else landscape (1) or portrait (0)."""
+    else landscape (1) or portrait (0); both after the INPUT.CROP, when enabled."""
     scales = tuple(cfg.INPUT.MIN_SIZE_TRAIN)
+    sizes = dataset.image_sizes
+    if cfg.INPUT.CROP.ENABLED:
+        sizes = np.minimum(sizes, np.array(crop_size(cfg)))
     if cfg.DATA.SIZE_GROUPING and len(scales) == 1:
-        sizes = dataset.image_sizes if scales[0] <= 0 else np.array(
-            [resized_shape(h, w, scales[0], cfg.INPUT.MAX_SIZE_TRAIN) for h, w in dataset.image_sizes]).reshape(-1, 2)
+        if scales[0] > 0:
+            max_size = cfg.INPUT.MAX_SIZE_TRAIN
+            sizes = np.array([resized_shape(h, w, scales[0], max_size) for h, w in sizes]).reshape(-1, 2)
         divisor = max(cfg.INPUT.SIZE_DIVISIBILITY, 1)
         return np.unique(-(-sizes // divisor), axis=0, return_inverse=True)[1].reshape(-1)
     if cfg.DATA.SIZE_GROUPING:
         logger.info(f"DATA.SIZE_GROUPING: sizes vary with the {len(scales)} INPUT.MIN_SIZE_TRAIN scales, "
                     "so batches group by aspect ratio instead")
-    return (dataset.aspect_ratios >= 1).astype(np.int64)
+    return (sizes[:, 1] >= sizes[:, 0]).astype(np.int64)
 
 
 def build_test_loader(cfg: CfgNode, dataset_name: str, mapper: DatasetMapper | None = None) -> PetDataLoader:
@@ -214,7 +251,8 @@ def per_process_batch_size(total: int, key: str) -> int:
 
 
 def log_instances_table(dataset: COCODataset) -> None:
-    """Log how many usable boxes each class has, three classes per row (as detectron2 does)."""
+    """Log how many usable boxes each class has, three classes per row (as detectron2 does), and how many
+    images have none (background images)."""
     counts = dataset.instances_per_class()
     cells = [(name, int(n)) for name, n in zip(dataset.class_names, counts)]
     cells.append(("total", int(counts.sum())))
@@ -222,8 +260,10 @@ def log_instances_table(dataset: COCODataset) -> None:
     cells += [("", "")] * (-len(cells) % per_row)
     rows = [sum((list(c) for c in cells[i:i + per_row]), []) for i in range(0, len(cells), per_row)]
     header = ["category", "#instances"] * per_row
+    background = sum(1 for r in dataset.records if not len(r["labels"]))
     logger.info(f"Distribution of instances among the {len(counts)} categories of '{dataset.name}':\n"
-                f"{format_table(header, rows)}")
+                f"{format_table(header, rows)}\n"
+                f"background images (no usable box): {background} of {len(dataset)}")
 
 
 def seed_worker(worker_id: int) -> None:

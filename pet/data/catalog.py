@@ -1,27 +1,31 @@
 """Named datasets: the built-in ones, user registrations and ``DATA.CUSTOM`` entries.
 
 Configs name datasets (``TRAIN.DATASETS``, ``TEST.DATASETS``); this module maps a name to
-a COCO annotation file and an image folder. Built-in datasets live under the data root:
+its annotations (a COCO file, a YOLO data.yaml, a VOC root or a CSV file; see
+:mod:`pet.data.formats`) and an image folder. Built-in datasets live under the data root:
 the ``PET_DATA_ROOT`` environment variable, or ``data/`` next to the ``pet`` package.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from fvcore.common.config import CfgNode
 
-from pet.data.coco_json import COCODataset, load_coco_json
+from pet.data.coco_json import COCODataset, build_coco_dataset, load_coco_json
+from pet.data.formats import FORMATS, read_annotations
+from pet.data.formats.common import check_class_names
 from pet.data.shapes import generate_shapes
-from pet.utils.errors import ConfigError
+from pet.utils.errors import ConfigError, DataError
 
 __all__ = [
-    "DatasetSpec", "data_root", "register_coco_dataset", "register_custom_datasets", "get_dataset_spec",
-    "get_dataset", "list_datasets",
+    "DatasetSpec", "data_root", "register_coco_dataset", "register_dataset", "register_custom_datasets",
+    "get_dataset_spec", "get_dataset", "list_datasets",
 ]
 
 logger = logging.getLogger(__name__)
@@ -31,12 +35,22 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__f
 
 @dataclass(frozen=True)
 class DatasetSpec:
-    """Where a named dataset lives; ``prepare`` (if any) creates it on first use."""
+    """Where a named dataset lives and how to read it; ``prepare`` (if any) creates it on first use.
+
+    ``path`` is the annotation source of ``format`` (a COCO JSON, a YOLO data.yaml, a VOC root or
+    a CSV file), ``image_root`` the folder image paths are relative to (COCO and CSV), ``split``
+    the YOLO / VOC split, ``classes`` the fixed class list (empty: the format's own), ``columns``
+    the CSV column names.
+    """
 
     name: str
-    json_file: str
-    image_root: str
+    path: str
+    image_root: str = ""
     prepare: Callable[[], object] | None = None
+    format: str = "coco"
+    split: str = ""
+    classes: tuple[str, ...] = ()
+    columns: tuple[tuple[str, str], ...] = ()
 
 
 def data_root() -> str:
@@ -83,31 +97,93 @@ def register_coco_dataset(name: str, json_file: str, image_root: str) -> None:
     Relative paths are taken from the current directory when they exist there, else from
     the data root. Registering the same name again with the same paths is a no-op.
     """
-    spec = DatasetSpec(name, _resolve(json_file), _resolve(image_root))
+    register_dataset(name, json_file, image_root)
+
+
+def register_dataset(
+    name: str,
+    path: str,
+    images: str = "",
+    *,
+    format: str = "coco",
+    split: str = "",
+    classes: Sequence[str] = (),
+    columns: Mapping[str, str] | None = None,
+) -> None:
+    """Make a dataset of any format available by ``name``: the Python form of a ``DATA.CUSTOM`` entry.
+
+    ``format`` is ``coco`` (``path``: the JSON, ``images``: the image folder), ``yolo``
+    (``path``: the data.yaml, ``split``: its ``train`` / ``val`` / ``test`` key), ``voc``
+    (``path``: the root holding Annotations/, JPEGImages/, ImageSets/Main/; ``split``: the
+    ImageSets name) or ``csv`` (``path``: the CSV file, ``images``: the folder its image paths are
+    relative to, default the CSV's folder; ``columns``: header names per role). ``classes`` fixes
+    the class list and its order (ids 1..K). Paths resolve as in :func:`register_coco_dataset`;
+    registering the same name again with the same arguments is a no-op.
+    """
+    if format not in FORMATS:
+        raise ConfigError(f"Dataset '{name}': unknown format '{format}'; use one of {list(FORMATS)}.")
+    needs = {"coco": ("path", "images"), "yolo": ("path", "split"), "voc": ("path", "split"), "csv": ("path",)}
+    given = {"path": path, "images": images, "split": split}
+    missing = [k for k in needs[format] if not given[k]]
+    if missing:
+        raise ConfigError(f"Dataset '{name}' (format {format}) lacks {' and '.join(missing)}; an entry is "
+                          f"{_ENTRY_HELP[format]}.")
+    if columns and format != "csv":
+        raise ConfigError(f"Dataset '{name}': `columns` names CSV columns, but the format is {format}.")
+    spec = DatasetSpec(
+        name, _resolve(path), _resolve(images) if images else "", format=format, split=str(split),
+        classes=tuple(check_class_names(classes, f"dataset '{name}'")) if classes else (),
+        columns=tuple(sorted((str(k), str(v)) for k, v in (columns or {}).items())),
+    )
     if name in _BUILTIN:
         raise ConfigError(f"'{name}' is a built-in dataset name; register your dataset under another name "
                           "(or point PET_DATA_ROOT at a folder with the built-in layout).")
     old = _REGISTERED.get(name)
-    if old is not None and (old.json_file, old.image_root) != (spec.json_file, spec.image_root):
-        raise ConfigError(f"Dataset '{name}' is already registered with {old.json_file} and {old.image_root}; "
+    if old is not None and old != spec:
+        raise ConfigError(f"Dataset '{name}' is already registered with {old.path} ({old.format}); "
                           "use another name.")
     _REGISTERED[name] = spec
 
 
+# What each format's DATA.CUSTOM entry holds, for messages.
+_ENTRY_HELP = {
+    "coco": "{name: ..., path: instances.json, images: image folder} (`json:` is accepted for `path`)",
+    "yolo": "{name: ..., format: yolo, path: data.yaml, split: train|val|test}",
+    "voc": "{name: ..., format: voc, path: VOC root, split: train|val|trainval|test}",
+    "csv": "{name: ..., format: csv, path: boxes.csv, images: image folder}",
+}
+_ENTRY_KEYS = {"name", "format", "path", "json", "images", "split", "classes", "columns"}
+
+
 def register_custom_datasets(cfg: CfgNode) -> None:
-    """Register every ``DATA.CUSTOM`` entry ``{name: ..., json: ..., images: ...}``."""
+    """Register every ``DATA.CUSTOM`` entry ``{name, format, path, images, split, classes}`` (see
+    :func:`register_dataset`; ``json`` is the old name of a COCO entry's ``path``)."""
     for i, entry in enumerate(cfg.DATA.CUSTOM):
         if not isinstance(entry, Mapping):
-            raise ConfigError(f"DATA.CUSTOM[{i}] must be a mapping {{name: ..., json: ..., images: ...}}, "
-                              f"got {entry!r}")
+            raise ConfigError(f"DATA.CUSTOM[{i}] must be a mapping such as {_ENTRY_HELP['coco']}, got {entry!r}")
         fields = {str(k).lower(): v for k, v in entry.items()}
-        missing = [k for k in ("name", "json", "images") if not fields.get(k)]
-        unknown = sorted(set(fields) - {"name", "json", "images"})
-        if missing or unknown:
-            problem = f"lacks {missing}" if missing else f"has unknown keys {unknown}"
-            raise ConfigError(f"DATA.CUSTOM[{i}] {problem}; each entry is {{name: ..., json: ..., images: ...}}, "
-                              f"got {dict(entry)}")
-        register_coco_dataset(str(fields["name"]), str(fields["json"]), str(fields["images"]))
+        fmt = str(fields.get("format") or "coco").lower()
+        shape = _ENTRY_HELP.get(fmt, _ENTRY_HELP["coco"])
+        unknown = sorted(set(fields) - _ENTRY_KEYS)
+        if unknown or "json" in fields and ("path" in fields or fmt != "coco"):
+            problem = f"has unknown keys {unknown}" if unknown else "gives `json`, which only a coco entry may " \
+                "use instead of `path`"
+            raise ConfigError(f"DATA.CUSTOM[{i}] {problem}; an entry is {shape}, got {dict(entry)}")
+        if not fields.get("name"):
+            raise ConfigError(f"DATA.CUSTOM[{i}] lacks a name; an entry is {shape}, got {dict(entry)}")
+        classes = fields.get("classes") or ()
+        if isinstance(classes, str) or not isinstance(classes, Sequence):
+            raise ConfigError(f"DATA.CUSTOM[{i}] `classes` must be a list of class names, got {classes!r}")
+        columns = fields.get("columns") or None
+        if columns is not None and not isinstance(columns, Mapping):
+            raise ConfigError(f"DATA.CUSTOM[{i}] `columns` must map roles to CSV header names, e.g. "
+                              f"{{image_path: filename, label: class}}, got {columns!r}")
+        try:
+            register_dataset(str(fields["name"]), str(fields.get("path") or fields.get("json") or ""),
+                             str(fields.get("images") or ""), format=fmt, split=str(fields.get("split") or ""),
+                             classes=list(classes), columns=columns)
+        except (ConfigError, DataError) as exc:
+            raise ConfigError(f"DATA.CUSTOM[{i}]: {exc}") from None
 
 
 def list_datasets() -> list[str]:
@@ -125,7 +201,7 @@ def get_dataset_spec(name: str) -> DatasetSpec:
     hint = f" Did you mean '{close[0]}'?" if close else ""
     raise ConfigError(
         f"Unknown dataset '{name}'.{hint} Registered datasets: {', '.join(list_datasets())}. "
-        "Add your own with DATA.CUSTOM [{name: ..., json: ..., images: ...}] or pet.data.register_coco_dataset()."
+        "Add your own with DATA.CUSTOM [{name: ..., format: ..., path: ...}] or pet.data.register_dataset()."
     )
 
 
@@ -134,12 +210,21 @@ def get_dataset(name: str, *, strict: bool = False) -> COCODataset:
     spec = get_dataset_spec(name)
     if spec.prepare is not None:
         spec.prepare()
-    mtime = os.path.getmtime(spec.json_file) if os.path.isfile(spec.json_file) else None
-    key = (name, spec.json_file, spec.image_root, strict, mtime)
+    mtime = os.path.getmtime(spec.path) if os.path.exists(spec.path) else None
+    key = (dataclasses.replace(spec, prepare=None), strict, mtime)
     if key not in _CACHE:
-        _CACHE[key] = load_coco_json(spec.json_file, spec.image_root, name, strict=strict)
-        logger.info(f"Loaded dataset '{name}': {len(_CACHE[key])} images from {spec.json_file}")
+        _CACHE[key] = _load(spec, strict)
+        logger.info(f"Loaded dataset '{name}' ({spec.format}): {len(_CACHE[key])} images from {spec.path}")
     return _CACHE[key]
+
+
+def _load(spec: DatasetSpec, strict: bool) -> COCODataset:
+    if spec.format == "coco":
+        return load_coco_json(spec.path, spec.image_root, spec.name, strict=strict, classes=spec.classes)
+    read = read_annotations(spec.format, spec.path, images=spec.image_root, split=spec.split,
+                            classes=spec.classes, columns=dict(spec.columns))
+    return build_coco_dataset(read.coco, spec.path, read.image_root, spec.name, strict=strict, origins=read.origins,
+                              format=spec.format)
 
 
 def _resolve(path: str) -> str:

@@ -12,15 +12,16 @@ import io
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from pycocotools.coco import COCO
 
+from pet.data.formats.common import image_size
 from pet.utils.errors import DataError
 
-__all__ = ["COCODataset", "load_coco_json", "require_masks"]
+__all__ = ["COCODataset", "load_coco_json", "build_coco_dataset", "require_masks"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,9 @@ class COCODataset:
     """One validated COCO annotation file.
 
     Attributes:
-        name, json_file, image_root: where it comes from.
+        name, json_file, image_root: where it comes from (``json_file``: the annotation source, for the other
+            formats their ``path``: the data.yaml, the VOC root or the CSV file).
+        format: the format it was read from: ``coco``, ``yolo``, ``voc`` or ``csv``.
         coco: the pycocotools ``COCO`` object of the file, unmodified (the evaluation ground truth).
         class_names: category names ordered by category id; label ``i + 1`` is ``class_names[i]``.
         label_to_category_id / category_id_to_label: contiguous labels (1..C) <-> COCO category ids.
@@ -51,8 +54,10 @@ class COCODataset:
         coco: COCO,
         records: list[dict[str, Any]],
         annotations_without_mask: Sequence[int] = (),
+        format: str = "coco",
     ) -> None:
         self.name = name
+        self.format = format
         self.json_file = json_file
         self.image_root = image_root
         self.coco = coco
@@ -75,18 +80,46 @@ class COCODataset:
         return f"COCODataset(name={self.name!r}, images={len(self)}, classes={len(self.class_names)})"
 
 
-def load_coco_json(json_file: str, image_root: str, name: str | None = None, *, strict: bool = False) -> COCODataset:
-    """Read and validate a COCO annotation file.
+def load_coco_json(
+    json_file: str,
+    image_root: str,
+    name: str | None = None,
+    *,
+    strict: bool = False,
+    classes: Sequence[str] | None = None,
+) -> COCODataset:
+    """Read and validate a COCO annotation file (see :func:`build_coco_dataset`)."""
+    name = name or os.path.splitext(os.path.basename(json_file))[0]
+    return build_coco_dataset(_read_json(json_file, name), json_file, image_root, name, strict=strict,
+                              classes=classes)
+
+
+def build_coco_dataset(
+    data: dict[str, Any],
+    source: str,
+    image_root: str,
+    name: str,
+    *,
+    strict: bool = False,
+    classes: Sequence[str] | None = None,
+    origins: Mapping[int, str] | None = None,
+    format: str = "coco",
+) -> COCODataset:
+    """Validate a COCO-format dict (read from ``source``) into a :class:`COCODataset`; ``data`` is kept as the
+    ground truth.
 
     Crowd annotations stay in ``coco`` (COCOeval ignores matches to them) but not in the
     training records. A box that is empty or sticks out of its image is rejected with a
     :class:`DataError` when ``strict``; otherwise it is clipped to the image (or dropped
-    when nothing is left) and a warning reports how many.
+    when nothing is left) and a warning reports how many. ``classes`` renumbers the categories
+    by name to ids 1..K in its order (an annotated category outside it is an error; unannotated
+    ones are dropped). ``origins`` (annotation id -> where it was read, e.g. ``file:line``) names
+    the culprit in messages about a box, for datasets read from other formats.
     """
-    name = name or os.path.splitext(os.path.basename(json_file))[0]
-    data = _read_json(json_file, name)
-    where = f"{json_file} (dataset '{name}')"
+    where = f"{source} (dataset '{name}')"
     categories = _check_categories(data["categories"], where)
+    if classes:
+        categories = _apply_class_list(data, categories, classes, where, origins or {})
     images = _check_images(data["images"], image_root, where)
     annotations = _check_annotations(data["annotations"], images, categories, where)
 
@@ -97,7 +130,7 @@ def load_coco_json(json_file: str, image_root: str, name: str | None = None, *, 
 
     sorted_ids = sorted(categories)
     cat_to_label = {cid: i + 1 for i, cid in enumerate(sorted_ids)}
-    fixer = _BoxFixer(where, strict)
+    fixer = _BoxFixer(where, strict, origins or {})
     per_image: dict[int, list[tuple[list[float], int, Any]]] = collections.defaultdict(list)
     without_mask = []
     for ann in annotations:
@@ -128,7 +161,7 @@ def load_coco_json(json_file: str, image_root: str, name: str | None = None, *, 
     if not records:
         raise DataError(f"{where} lists no images; an empty dataset cannot be trained or tested on. "
                         "Point the dataset at an annotation file with images.")
-    return COCODataset(name, json_file, image_root, coco, records, without_mask)
+    return COCODataset(name, source, image_root, coco, records, without_mask, format=format)
 
 
 def require_masks(datasets: Sequence[COCODataset]) -> None:
@@ -181,6 +214,27 @@ def _check_categories(categories: list[Any], where: str) -> dict[int, str]:
     return result
 
 
+def _apply_class_list(
+    data: dict[str, Any], categories: dict[int, str], classes: Sequence[str], where: str, origins: Mapping[int, str]
+) -> dict[int, str]:
+    """Renumber ``data``'s categories (in place) to ids 1..K in the order of ``classes``, matched by name."""
+    new_id = {name: i + 1 for i, name in enumerate(classes)}
+    annotated = {ann.get("category_id"): ann for ann in data["annotations"] if isinstance(ann, dict)}
+    for cid, name in categories.items():
+        if name not in new_id and cid in annotated:
+            ann = annotated[cid]
+            culprit = origins.get(ann.get("id"), f"annotation {ann.get('id')}")
+            raise DataError(f"{where}: class '{name}' ({culprit}) is not in the dataset's `classes` list "
+                            f"{list(classes)}. Add it to `classes` in the DATA.CUSTOM entry, or remove its "
+                            "annotations.")
+    old_to_new = {cid: new_id[name] for cid, name in categories.items() if name in new_id}
+    for ann in data["annotations"]:
+        if isinstance(ann, dict) and ann.get("category_id") in old_to_new:
+            ann["category_id"] = old_to_new[ann["category_id"]]
+    data["categories"] = [{"id": i + 1, "name": name} for i, name in enumerate(classes)]
+    return {i + 1: name for i, name in enumerate(classes)}
+
+
 def _check_images(images: list[Any], image_root: str, where: str) -> dict[int, dict[str, Any]]:
     result: dict[int, dict[str, Any]] = {}
     for i, img in enumerate(images):
@@ -195,18 +249,8 @@ def _check_images(images: list[Any], image_root: str, where: str) -> dict[int, d
 
 
 def _size_from_header(path: str, image_id: Any) -> tuple[int, int]:
-    """(width, height) for images whose JSON entry lacks them, from the file header only."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as im:
-            return im.size
-    except FileNotFoundError as exc:
-        raise DataError(f"Image {path} (image id {image_id}) has no width/height in the JSON and the file "
-                        "does not exist. Check the image root.") from exc
-    except (UnidentifiedImageError, OSError) as exc:
-        raise DataError(f"Image {path} (image id {image_id}) has no width/height in the JSON and the file "
-                        f"is not a readable image: {exc}") from exc
+    """(width, height) for images whose JSON entry lacks them, from the file header only (as opencv decodes it)."""
+    return image_size(path, f"Image id {image_id} (no width/height in the JSON)")
 
 
 def _check_annotations(
@@ -274,9 +318,10 @@ def _segmentation(ann: dict[str, Any], image: dict[str, Any], where: str) -> Any
 class _BoxFixer:
     """Turns COCO [x, y, w, h] into XYXY, rejecting (strict) or clipping/dropping bad boxes and counting them."""
 
-    def __init__(self, where: str, strict: bool) -> None:
+    def __init__(self, where: str, strict: bool, origins: Mapping[int, str]) -> None:
         self.where = where
         self.strict = strict
+        self.origins = origins
         self.clipped: list[Any] = []
         self.dropped: list[Any] = []
 
@@ -290,20 +335,29 @@ class _BoxFixer:
             return [max(x1, 0.0), max(y1, 0.0), min(x2, width), min(y2, height)]
         problem = "has zero or negative size" if degenerate else f"lies outside the {width}x{height} image"
         if self.strict:
-            raise DataError(f"Annotation {ann['id']} in {self.where} (image id {ann['image_id']}): bbox "
-                            f"{ann['bbox']} {problem}. Fix it, or set DATA.STRICT False to clip such boxes.")
+            if ann["id"] in self.origins:
+                culprit = f"{self.origins[ann['id']]}: box (x1, y1, x2, y2) = {_rounded((x1, y1, x2, y2))}"
+            else:
+                culprit = f"Annotation {ann['id']} in {self.where} (image id {ann['image_id']}): bbox {ann['bbox']}"
+            raise DataError(f"{culprit} {problem}. Fix it, or set DATA.STRICT False to clip such boxes.")
         box = [min(max(x1, 0.0), width), min(max(y1, 0.0), height), min(max(x2, 0.0), width),
                min(max(y2, 0.0), height)]
+        culprit = self.origins.get(ann["id"], ann["id"])
         if box[2] - box[0] <= 0 or box[3] - box[1] <= 0:
-            self.dropped.append(ann["id"])
+            self.dropped.append(culprit)
             return None
-        self.clipped.append(ann["id"])
+        self.clipped.append(culprit)
         return box
 
     def report(self) -> None:
         if self.clipped or self.dropped:
+            what = "labels" if self.origins else "annotation ids"
             logger.warning(
                 f"{self.where}: clipped {len(self.clipped)} boxes that stick out of their image "
-                f"(e.g. annotation ids {self.clipped[:5]}) and dropped {len(self.dropped)} empty or fully "
+                f"(e.g. {what} {self.clipped[:5]}) and dropped {len(self.dropped)} empty or fully "
                 f"outside boxes (e.g. {self.dropped[:5]}). Set DATA.STRICT True to reject them instead."
             )
+
+
+def _rounded(values: Sequence[float]) -> tuple[float, ...]:
+    return tuple(round(float(v), 2) for v in values)

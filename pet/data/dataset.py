@@ -84,6 +84,7 @@ class DetectionDataset(torch.utils.data.Dataset):
         self.datasets = list(datasets)
         self.name = "+".join(d.name for d in datasets)
         self.json_file, self.image_root, self.coco = first.json_file, first.image_root, first.coco
+        self.format = first.format
         self.class_names = first.class_names
         self.label_to_category_id = first.label_to_category_id
         self.mapper = mapper
@@ -169,18 +170,24 @@ class DetectionDataset(torch.utils.data.Dataset):
 
 
 def check_same_categories(datasets: Sequence[COCODataset]) -> None:
-    """Datasets used together must share one label space (same category ids and names)."""
+    """Datasets used together (concatenated, or trained and tested in one run) must share one label space:
+    the same category ids and names. A mismatch is a :class:`DataError` naming the classes and the files."""
     first = datasets[0]
     reference = list(zip(first.label_to_category_id.values(), first.class_names))
     for other in datasets[1:]:
         categories = list(zip(other.label_to_category_id.values(), other.class_names))
         if categories != reference:
-            only_first = sorted(set(reference) - set(categories))
-            only_other = sorted(set(categories) - set(reference))
+            only_first = [n for n in first.class_names if n not in other.class_names]
+            only_other = [n for n in other.class_names if n not in first.class_names]
+            if only_first or only_other:
+                what = "; ".join(f"classes {names} only in '{d.name}'" for names, d in
+                                 ((only_first, first), (only_other, other)) if names)
+            else:
+                what = f"the same names with other ids ({reference} against {categories})"
             raise DataError(
-                f"Datasets '{first.name}' and '{other.name}' have different categories "
-                f"(only in '{first.name}': {only_first}; only in '{other.name}': {only_other}). "
-                "Datasets trained or tested together need the same category ids and names."
+                f"Datasets '{first.name}' ({first.json_file}) and '{other.name}' ({other.json_file}) have different "
+                f"categories: {what}. Datasets trained or tested together need the same category ids and names: "
+                "give their DATA.CUSTOM entries the same `classes: [...]` list."
             )
 
 
@@ -189,5 +196,5 @@ def _check_size(image: np.ndarray, record: dict[str, Any]) -> None:
     if (h, w) != (record["height"], record["width"]):
         raise DataError(
             f"Image {record['file_name']} (image id {record['image_id']}) decodes to {w}x{h} pixels but the "
-            f"annotation file says {record['width']}x{record['height']}. Fix 'width'/'height' in the JSON."
+            f"annotations say {record['width']}x{record['height']}. Fix its width/height in the annotation file."
         )

@@ -12,6 +12,7 @@ from fvcore.common.config import CfgNode
 from pet.data.transforms import (
     Augmentation,
     RandomColorJitter,
+    RandomCrop,
     RandomFlip,
     ResizeShortestEdge,
     Transform,
@@ -19,15 +20,18 @@ from pet.data.transforms import (
 )
 from pet.utils.errors import ConfigError
 
-__all__ = ["DatasetMapper", "build_augmentations", "segmentations_to_masks"]
+__all__ = ["DatasetMapper", "build_augmentations", "crop_size", "segmentations_to_masks"]
 
 
 def build_augmentations(cfg: CfgNode, is_train: bool) -> list[Augmentation]:
-    """Resize (multi-scale when INPUT.MIN_SIZE_TRAIN lists several sizes) and, in training, horizontal flip
-    and colour jitter (when INPUT.BRIGHTNESS / CONTRAST / SATURATION are not all 0)."""
+    """Resize (multi-scale when INPUT.MIN_SIZE_TRAIN lists several sizes) and, in training, a crop before it
+    (INPUT.CROP), horizontal flip and colour jitter (when INPUT.BRIGHTNESS / CONTRAST / SATURATION are not all 0)."""
     if not is_train:
         return [ResizeShortestEdge(cfg.INPUT.MIN_SIZE_TEST, cfg.INPUT.MAX_SIZE_TEST)]
-    augs: list[Augmentation] = [ResizeShortestEdge(cfg.INPUT.MIN_SIZE_TRAIN, cfg.INPUT.MAX_SIZE_TRAIN)]
+    augs: list[Augmentation] = []
+    if cfg.INPUT.CROP.ENABLED:
+        augs.append(RandomCrop(*crop_size(cfg), around_object_prob=cfg.INPUT.CROP.AROUND_OBJECT_PROB))
+    augs.append(ResizeShortestEdge(cfg.INPUT.MIN_SIZE_TRAIN, cfg.INPUT.MAX_SIZE_TRAIN))
     if cfg.INPUT.FLIP_PROB > 0:
         augs.append(RandomFlip(cfg.INPUT.FLIP_PROB))
     jitter = (cfg.INPUT.BRIGHTNESS, cfg.INPUT.CONTRAST, cfg.INPUT.SATURATION)
@@ -37,6 +41,19 @@ def build_augmentations(cfg: CfgNode, is_train: bool) -> list[Augmentation]:
     if any(jitter):  # after the resize: the jitter then touches fewer pixels when images shrink
         augs.append(RandomColorJitter(*jitter))
     return augs
+
+
+def crop_size(cfg: CfgNode) -> tuple[int, int]:
+    """INPUT.CROP.SIZE as (height, width), checked along with the other INPUT.CROP values."""
+    crop = cfg.INPUT.CROP
+    size = tuple(crop.SIZE)
+    if len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size):
+        raise ConfigError(f"INPUT.CROP.SIZE must be (height, width) in pixels, got {crop.SIZE!r}.")
+    if not 0.0 <= crop.AROUND_OBJECT_PROB <= 1.0:
+        raise ConfigError(f"INPUT.CROP.AROUND_OBJECT_PROB must be in [0, 1], got {crop.AROUND_OBJECT_PROB}.")
+    if not 0.0 <= crop.MIN_VISIBLE <= 1.0:
+        raise ConfigError(f"INPUT.CROP.MIN_VISIBLE must be in [0, 1], got {crop.MIN_VISIBLE}.")
+    return size  # type: ignore[return-value]
 
 
 class DatasetMapper:
@@ -49,7 +66,8 @@ class DatasetMapper:
     - ``image_id``: the COCO image id;
     - ``image_size``: (h, w) after the transforms; ``orig_size``: (h, w) as decoded;
     - ``boxes``: float32 [N, 4] XYXY in the pixels of ``image``, clipped to it; crowd and dropped
-      annotations are not there;
+      annotations are not there, nor boxes a crop left with less than ``min_visible`` of their area
+      (their label and mask go with them);
     - ``labels``: int64 [N] contiguous labels 1..C (``dataset.label_to_category_id`` maps them back);
     - ``masks`` (only with ``mask_on``): uint8 [N, h, w] of 0/1, mask i belongs to box i.
 
@@ -58,9 +76,11 @@ class DatasetMapper:
     resized / flipped like the image with nearest-neighbour interpolation.
     """
 
-    def __init__(self, augmentations: Sequence[Augmentation], *, mask_on: bool = False) -> None:
+    def __init__(self, augmentations: Sequence[Augmentation], *, mask_on: bool = False,
+                 min_visible: float = 0.0) -> None:
         self.augmentations = list(augmentations)
         self.mask_on = mask_on
+        self.min_visible = min_visible
 
     @classmethod
     def from_config(cls, cfg: CfgNode, is_train: bool, *, mask_on: bool | None = None) -> DatasetMapper:
@@ -68,26 +88,39 @@ class DatasetMapper:
         testing (COCO evaluation reads the ground truth from the annotation file)."""
         if mask_on is None:
             mask_on = bool(cfg.MODEL.MASK_ON) and is_train
-        return cls(build_augmentations(cfg, is_train), mask_on=mask_on)
+        min_visible = cfg.INPUT.CROP.MIN_VISIBLE if is_train and cfg.INPUT.CROP.ENABLED else 0.0
+        return cls(build_augmentations(cfg, is_train), mask_on=mask_on, min_visible=min_visible)
 
     def __call__(self, record: dict[str, Any], image: np.ndarray, rng: np.random.Generator) -> dict[str, Any]:
         orig_size = (int(image.shape[0]), int(image.shape[1]))
-        image, transform = apply_augmentations(self.augmentations, image, rng)
+        image, transform = apply_augmentations(self.augmentations, image, rng, boxes=record["boxes"])
         h, w = image.shape[:2]
         boxes = transform.apply_boxes(record["boxes"])
+        whole = _area(boxes)
         np.clip(boxes, 0, [w, h, w, h], out=boxes)
+        visible = _area(boxes)
+        keep = (visible > 0) & (visible >= self.min_visible * whole)
+        labels = np.asarray(record["labels"], dtype=np.int64)
+        segmentations = record["segmentations"]
+        if not keep.all():  # a crop cut them: what is left of them is too little to be labelled
+            boxes, labels = boxes[keep], labels[keep]
+            segmentations = [s for s, k in zip(segmentations, keep) if k]
         sample = {
             "image": torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1),  # a view: no transpose copy
             "image_id": int(record["image_id"]),
             "image_size": (int(h), int(w)),
             "orig_size": orig_size,
             "boxes": torch.from_numpy(boxes),
-            "labels": torch.from_numpy(np.asarray(record["labels"], dtype=np.int64)),
+            "labels": torch.from_numpy(labels),
         }
         if self.mask_on:
-            masks = segmentations_to_masks(record["segmentations"], transform, orig_size, (h, w))
+            masks = segmentations_to_masks(segmentations, transform, orig_size, (h, w))
             sample["masks"] = torch.from_numpy(masks)
         return sample
+
+
+def _area(boxes: np.ndarray) -> np.ndarray:
+    return np.clip(boxes[:, 2] - boxes[:, 0], 0, None) * np.clip(boxes[:, 3] - boxes[:, 1], 0, None)
 
 
 def segmentations_to_masks(

@@ -4,6 +4,11 @@ Training samplers yield ``(index, seed)``: the seed drives that sample's random
 transforms, so the stream of batches depends only on the base seed and the rank,
 never on the number of DataLoader workers. All ranks draw the same global order and
 each takes its own share, so they never overlap.
+
+The repeat-factor samplers (LVIS' class-balanced sampling) draw each pass with image i
+repeated ``r_i`` times (see :func:`pet.data.balance.repeat_factors`): ``floor(r_i)`` copies
+plus one more with probability ``r_i - floor(r_i)``, drawn per pass from the pass's seeded
+generator, so the counts match ``r_i`` in expectation and the stream is fixed by the seed.
 """
 from __future__ import annotations
 
@@ -17,7 +22,10 @@ from torch.utils.data import Sampler
 
 from pet.utils import comm
 
-__all__ = ["TrainingSampler", "EpochSampler", "InferenceSampler", "GroupedBatchSampler", "BatchSampler"]
+__all__ = [
+    "TrainingSampler", "EpochSampler", "RepeatFactorTrainingSampler", "RepeatFactorEpochSampler", "InferenceSampler",
+    "GroupedBatchSampler", "BatchSampler",
+]
 
 _SEED_LIMIT = 2**31 - 1
 
@@ -38,6 +46,15 @@ class _ShuffledSampler(Sampler):
         self.rank = comm.get_rank() if rank is None else rank
         self.world_size = comm.get_world_size() if world_size is None else world_size
 
+    @property
+    def pass_size(self) -> int:
+        """Items in one epoch over all ranks (before an epoch sampler pads it for the ranks)."""
+        return self.size
+
+    def _draw(self, g: torch.Generator) -> list[tuple[int, int]]:
+        """One pass: every index once, shuffled, each with its own transform seed."""
+        return _draw_pass(self.size, g, self.shuffle)
+
 
 class TrainingSampler(_ShuffledSampler):
     """An infinite, seeded stream of shuffled passes over the data; rank r takes every world_size-th item."""
@@ -48,13 +65,14 @@ class TrainingSampler(_ShuffledSampler):
     def _infinite(self) -> Iterator[tuple[int, int]]:
         g = torch.Generator().manual_seed(self.seed)
         while True:
-            yield from _draw_pass(self.size, g, self.shuffle)
+            yield from self._draw(g)
 
 
 class EpochSampler(_ShuffledSampler):
-    """One shuffled pass per epoch, reshuffled by ``set_epoch``; every rank gets ceil(size / world_size) items.
+    """One shuffled pass per epoch, reshuffled by ``set_epoch``; every rank gets ceil(pass_size / world_size) items.
 
-    The pass is padded by repeating its start so that all ranks run the same number of
+    The pass is padded by repeating its start (or, when a drawn pass is longer, cut at the
+    end) to ``len(self) * world_size`` items, so that all ranks run the same number of
     iterations (as ``torch.utils.data.DistributedSampler`` does).
     """
 
@@ -64,14 +82,63 @@ class EpochSampler(_ShuffledSampler):
         self.epoch = epoch
 
     def __len__(self) -> int:
-        return -(-self.size // self.world_size)
+        return -(-self.pass_size // self.world_size)
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         g = torch.Generator().manual_seed(self.seed + self.epoch * 1_000_003)
-        items = _draw_pass(self.size, g, self.shuffle)
+        items = self._draw(g)
         total = len(self) * self.world_size
         items = (items * (-(-total // len(items))))[:total]
         return iter(items[self.rank:total:self.world_size])
+
+
+class _RepeatFactors(_ShuffledSampler):
+    """A pass holds image i ``floor(r_i)`` times, plus once more with probability ``r_i - floor(r_i)``, shuffled.
+
+    Each copy gets its own transform seed, so repeated images are augmented differently.
+    """
+
+    def __init__(self, repeat_factors: Sequence[float] | np.ndarray, seed: int, shuffle: bool = True,
+                 rank: int | None = None, world_size: int | None = None) -> None:
+        factors = np.asarray(repeat_factors, dtype=np.float64).reshape(-1)
+        if factors.size and not (factors >= 1).all():
+            raise ValueError(f"repeat factors must be >= 1, got min {factors.min()}")
+        super().__init__(len(factors), seed, shuffle, rank, world_size)
+        self.repeat_factors = factors
+        self._whole = np.floor(factors).astype(np.int64)
+        self._fraction = torch.from_numpy(factors - self._whole)
+
+    @property
+    def pass_size(self) -> int:
+        """The expected number of items a pass draws, sum(r_i), rounded to the nearest integer."""
+        return max(1, int(round(float(self.repeat_factors.sum()))))
+
+    def _draw(self, g: torch.Generator) -> list[tuple[int, int]]:
+        extra = (torch.rand(self.size, generator=g, dtype=torch.float64) < self._fraction).numpy()
+        indices = np.repeat(np.arange(self.size), self._whole + extra)
+        order = torch.randperm(len(indices), generator=g).numpy() if self.shuffle else np.arange(len(indices))
+        seeds = torch.randint(_SEED_LIMIT, (len(indices),), generator=g)
+        return list(zip(indices[order].tolist(), seeds.tolist()))
+
+
+class RepeatFactorTrainingSampler(_RepeatFactors, TrainingSampler):
+    """:class:`TrainingSampler` over repeat-factor passes (``DATA.SAMPLER RepeatFactorTrainingSampler``).
+
+    The infinite stream is pass after pass, each of random length (``sum(r_i)`` in expectation);
+    rank r takes every world_size-th item of it, so shards are disjoint and together cover every
+    pass, and resuming skips items by index arithmetic like the plain sampler.
+    """
+
+
+class RepeatFactorEpochSampler(_RepeatFactors, EpochSampler):
+    """:class:`EpochSampler` over repeat-factor passes (``DATA.SAMPLER RepeatFactorTrainingSampler`` in epoch mode).
+
+    An epoch has a fixed length, ``pass_size`` = round(sum(r_i)), so the schedule knows its
+    iterations: each epoch's drawn pass (shuffled, of random length) is cut at the end or padded
+    with its start to ``ceil(pass_size / world_size) * world_size`` items, which the ranks share
+    as in :class:`EpochSampler`. Because the pass is shuffled before it is cut or padded, what is
+    cut or repeated is a random choice, and counts stay proportional to ``r_i`` in expectation.
+    """
 
 
 class InferenceSampler(Sampler):

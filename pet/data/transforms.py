@@ -6,6 +6,8 @@ image, the boxes and the masks (as polygons, or as bitmasks for RLE), so every
 annotation stays consistent with the pixels. New annotation types only need an
 ``apply_*`` method built on ``apply_coords``. Photometric transforms (colour jitter)
 change pixels only: their ``apply_coords`` and ``apply_segmentation`` are the identity.
+An augmentation that places itself by the objects (:class:`RandomCrop` around an object) sets
+``uses_boxes`` and gets the image's boxes, as transformed so far, in ``get_transform``.
 """
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ import cv2
 import numpy as np
 
 __all__ = [
-    "Transform", "NoOpTransform", "ResizeTransform", "HFlipTransform", "ColorTransform", "TransformList",
-    "Augmentation", "ResizeShortestEdge", "RandomFlip", "RandomColorJitter", "apply_augmentations",
+    "Transform", "NoOpTransform", "ResizeTransform", "HFlipTransform", "CropTransform", "ColorTransform",
+    "TransformList", "Augmentation", "ResizeShortestEdge", "RandomFlip", "RandomCrop", "RandomColorJitter",
+    "apply_augmentations",
 ]
 
 
@@ -100,6 +103,29 @@ class HFlipTransform(Transform):
         return cv2.flip(mask, 1)
 
 
+class CropTransform(Transform):
+    """Cut the window of ``height`` x ``width`` pixels whose top-left corner is (x0, y0).
+
+    Coordinates shift by (-x0, -y0); what falls outside the window is clipped (and boxes that
+    lose too much are dropped) by the mapper, which knows the window's size from the image.
+    """
+
+    def __init__(self, x0: int, y0: int, width: int, height: int) -> None:
+        self.x0, self.y0, self.width, self.height = x0, y0, width, height
+
+    def apply_image(self, image: np.ndarray) -> np.ndarray:
+        return image[self.y0:self.y0 + self.height, self.x0:self.x0 + self.width]
+
+    def apply_coords(self, coords: np.ndarray) -> np.ndarray:
+        coords = np.array(coords, dtype=np.float64)
+        coords[:, 0] -= self.x0
+        coords[:, 1] -= self.y0
+        return coords
+
+    def apply_segmentation(self, mask: np.ndarray) -> np.ndarray:
+        return mask[self.y0:self.y0 + self.height, self.x0:self.x0 + self.width]
+
+
 class ColorTransform(Transform):
     """Scale brightness, then contrast, then saturation by fixed factors (1 leaves a property as it is).
 
@@ -156,7 +182,13 @@ class TransformList(Transform):
 
 
 class Augmentation:
-    """Draws a :class:`Transform` for an image of size (h, w)."""
+    """Draws a :class:`Transform` for an image of size (h, w).
+
+    With ``uses_boxes`` True, ``get_transform`` also gets ``boxes=``: the image's XYXY boxes
+    [N, 4] in its current pixels.
+    """
+
+    uses_boxes = False
 
     def get_transform(self, height: int, width: int, rng: np.random.Generator) -> Transform:
         raise NotImplementedError
@@ -197,6 +229,46 @@ class RandomFlip(Augmentation):
         return NoOpTransform()
 
 
+class RandomCrop(Augmentation):
+    """A window of fixed size (a side larger than the image keeps the image's), placed at random.
+
+    With probability ``around_object_prob`` (and when the image has boxes) the window is placed
+    around one box drawn at random: uniformly among the positions that hold the whole box when it
+    fits in the window, else among those lying inside the box. Otherwise uniformly over the image.
+    """
+
+    uses_boxes = True
+
+    def __init__(self, height: int, width: int, around_object_prob: float = 0.0) -> None:
+        if height <= 0 or width <= 0:
+            raise ValueError(f"RandomCrop needs a positive size, got {height}x{width}")
+        self.height, self.width = height, width
+        self.around_object_prob = around_object_prob
+
+    def get_transform(self, height: int, width: int, rng: np.random.Generator,
+                      boxes: np.ndarray | None = None) -> Transform:
+        crop_h, crop_w = min(self.height, height), min(self.width, width)
+        if (crop_h, crop_w) == (height, width):
+            return NoOpTransform()
+        if boxes is not None and len(boxes) and self.around_object_prob > 0 and rng.random() < self.around_object_prob:
+            x1, y1, x2, y2 = (float(v) for v in boxes[int(rng.integers(len(boxes)))])
+            x0 = _start_around(x1, x2, crop_w, width, rng)
+            y0 = _start_around(y1, y2, crop_h, height, rng)
+        else:
+            x0 = int(rng.integers(width - crop_w + 1))
+            y0 = int(rng.integers(height - crop_h + 1))
+        return CropTransform(x0, y0, crop_w, crop_h)
+
+
+def _start_around(lo: float, hi: float, size: int, limit: int, rng: np.random.Generator) -> int:
+    """A window start in [0, limit - size] whose window [start, start + size) holds [lo, hi] when it fits,
+    else lies inside it."""
+    first, last = (hi - size, lo) if hi - lo <= size else (lo, hi - size)
+    first = min(max(int(np.ceil(first)), 0), limit - size)
+    last = min(max(int(np.floor(last)), first), limit - size)
+    return int(rng.integers(first, last + 1))
+
+
 class RandomColorJitter(Augmentation):
     """Brightness, contrast and saturation factors drawn uniformly from [1 - x, 1 + x] (x = 0: unchanged)."""
 
@@ -223,12 +295,20 @@ def resized_shape(height: int, width: int, short: int, max_size: int) -> tuple[i
 
 
 def apply_augmentations(
-    augmentations: Sequence[Augmentation], image: np.ndarray, rng: np.random.Generator
+    augmentations: Sequence[Augmentation], image: np.ndarray, rng: np.random.Generator,
+    boxes: np.ndarray | None = None,
 ) -> tuple[np.ndarray, TransformList]:
-    """Apply each augmentation to the image in turn; return the image and the combined transform."""
-    transforms = []
+    """Apply each augmentation to the image in turn; return the image and the combined transform.
+
+    ``boxes`` (XYXY in the image's pixels) are shown, transformed so far, to augmentations with ``uses_boxes``.
+    """
+    transforms: list[Transform] = []
     for aug in augmentations:
-        t = aug.get_transform(image.shape[0], image.shape[1], rng)
+        if aug.uses_boxes:
+            current = TransformList(transforms).apply_boxes(boxes) if boxes is not None else None
+            t = aug.get_transform(image.shape[0], image.shape[1], rng, boxes=current)
+        else:
+            t = aug.get_transform(image.shape[0], image.shape[1], rng)
         image = t.apply_image(image)
         transforms.append(t)
     return image, TransformList(transforms)

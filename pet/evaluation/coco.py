@@ -5,7 +5,8 @@ COCO results (the dataset's own category ids, XYWH boxes, RLE masks), gathers th
 all processes and runs COCOeval on rank 0 (iouType "bbox", and "segm" when the model
 outputs masks) with the backend of :mod:`pet.evaluation.backends`, then writes the
 diagnostics of :mod:`pet.evaluation.diagnostics`. :func:`evaluate_results_file` re-scores
-a saved ``bbox.json`` or ``segm.json`` without the model.
+a saved ``bbox.json`` or ``segm.json`` without the model. For a Pascal VOC dataset (``format`` voc)
+the box metrics also hold ``VOC_AP50``, VOC's own mAP at IoU 0.5 (:mod:`pet.evaluation.voc`).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from fvcore.common.config import CfgNode
 from pet.evaluation.backends import COCOEvalResult, resolve_backend, run_cocoeval
 from pet.evaluation.diagnostics import write_diagnostics
 from pet.evaluation.files import write_json_atomic
+from pet.evaluation.voc import voc_evaluate
 from pet.utils import comm
 from pet.utils.errors import DataError
 from pet.utils.registry import EVALUATOR_REGISTRY
@@ -146,6 +148,8 @@ class COCOEvaluator:
                 logger.info(f"Saved {len(task_results)} detections to {path}")
             result = _cocoeval(self.dataset, task_results, image_ids, iou_type, self.backend)
             metrics[iou_type] = _metrics(result, self.dataset)
+            if iou_type == "bbox":
+                metrics[iou_type].update(_voc_metrics(self.dataset, task_results, image_ids))
             if self.diagnostics and self.output_dir:
                 write_diagnostics(self.output_dir, iou_type, result, self.dataset.coco, task_results, image_ids,
                                   self.dataset.class_names, _category_ids(self.dataset),
@@ -193,8 +197,11 @@ def evaluate_results_file(dataset: Any, results_json: str, backend: str = "auto"
                         "keep boxes (bbox.json) and masks (segm.json) in separate files.")
     image_ids = sorted(images)
     backend = resolve_backend(backend)
-    return {t: _metrics(_cocoeval(dataset, _results_for(t, results), image_ids, t, backend), dataset)
-            for t in iou_types}
+    metrics = {t: _metrics(_cocoeval(dataset, _results_for(t, results), image_ids, t, backend), dataset)
+               for t in iou_types}
+    if "bbox" in metrics:
+        metrics["bbox"].update(_voc_metrics(dataset, _results_for("bbox", results), image_ids))
+    return metrics
 
 
 def detections_to_coco(
@@ -266,6 +273,21 @@ def _metrics(result: COCOEvalResult, dataset: Any) -> dict[str, float]:
     return metrics
 
 
+def _voc_metrics(dataset: Any, results: list[dict[str, Any]], image_ids: Sequence[int]) -> dict[str, float]:
+    """``{"VOC_AP50": ...}`` (VOC2010+ mAP at IoU 0.5, in %) for a Pascal VOC dataset, with a per-class table
+    in the log; ``{}`` for other formats."""
+    if getattr(dataset, "format", "coco") != "voc":
+        return {}
+    aps = voc_evaluate(dataset.coco, results, image_ids)
+    per_class = [aps[cid] for cid in _category_ids(dataset)]
+    scored = [ap for ap in per_class if ap == ap]  # classes without ground truth (NaN) are left out, as in COCO
+    mean = float(np.mean(scored) * 100) if scored else float("nan")
+    cells = [(name, f"{ap * 100:.2f}") for name, ap in zip(dataset.class_names, per_class)]
+    logger.info(f"Pascal VOC mAP@0.5 (VOC2010+ all-point AP, difficult objects ignored): {mean:.2f}\n"
+                + _per_class_table(cells, "VOC AP50"))
+    return {"VOC_AP50": mean}
+
+
 def _category_ids(dataset: Any) -> list[int]:
     """The category id of each class index (label - 1)."""
     return [dataset.label_to_category_id[label] for label in range(1, len(dataset.class_names) + 1)]
@@ -287,10 +309,14 @@ def _log_tables(metrics: dict[str, float], class_names: list[str], iou_type: str
         BOX_METRICS, [[f"{metrics[m]:.3f}" for m in BOX_METRICS]]
     ))
     cells = [(n, f"{metrics[f'AP-{n}']:.3f}") for n in class_names]
-    per_row = 3
-    cells += [("", "")] * (-len(cells) % per_row)
+    logger.info(f"Per-category {iou_type} AP:\n" + _per_class_table(cells, "AP"))
+
+
+def _per_class_table(cells: list[tuple[str, str]], value: str, per_row: int = 3) -> str:
+    """``(class, value)`` cells laid out ``per_row`` classes to a row."""
+    cells = cells + [("", "")] * (-len(cells) % per_row)
     rows = [sum((list(c) for c in cells[i:i + per_row]), []) for i in range(0, len(cells), per_row)]
-    logger.info(f"Per-category {iou_type} AP:\n" + format_table(["category", "AP"] * per_row, rows))
+    return format_table(["category", value] * per_row, rows)
 
 
 def _percent(value: float) -> float:

@@ -1,0 +1,187 @@
+"""Ultralytics' YOLO layout, read as it is: :func:`read_yolo`.
+
+A ``data.yaml`` names the dataset root (``path``, relative to the yaml's folder; the folder
+itself when absent), the splits (``train``, ``val``, ``test``: a folder searched recursively for
+images, a text file listing image paths (relative ones from the text file's folder), or a list of
+those) and the classes (``names``: a list, or a dict ``{index: name}``). Each image's label file
+is its path with the last ``/images/`` replaced by ``/labels/`` and the extension by ``.txt``
+(Ultralytics' ``img2label_paths``). A label line is ``class cx cy w h`` normalised by the image
+size, or ``class x1 y1 x2 y2 ...`` (three or more points), a polygon, used as the segmentation
+and its extent as the box. A missing or empty label file makes a background image.
+
+Images are numbered 1..N in sorted path order (Ultralytics' order); their sizes come from the
+file headers, after EXIF orientation, as opencv decodes them. Class index i is ``names[i]``, id
+i + 1 (or its place in the entry's ``classes``). Unlike Ultralytics, which drops an image with a
+bad label and goes on, a bad line stops loading with its ``file:line``.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import yaml
+
+from pet.data.formats.common import (
+    IMAGE_EXTENSIONS,
+    ClassList,
+    ReadAnnotations,
+    check_class_names,
+    image_size,
+    relative_to,
+)
+from pet.utils.errors import DataError
+
+__all__ = ["read_yolo", "label_path"]
+
+# Normalised values may overshoot [0, 1] by this much (Ultralytics' own tolerance for rounding in tools);
+# what then sticks out of the image is clipped (or rejected with DATA.STRICT) like any box.
+_TOLERANCE = 0.01
+# Pixel coordinates from normalised labels are rounded to this many decimals (see _annotation).
+_DECIMALS = 6
+
+
+def label_path(image_path: str) -> str:
+    """The label file of an image: the last ``/images/`` of its path becomes ``/labels/``, the extension ``.txt``."""
+    images, labels = f"{os.sep}images{os.sep}", f"{os.sep}labels{os.sep}"
+    return labels.join(image_path.rsplit(images, 1)).rsplit(".", 1)[0] + ".txt"
+
+
+def read_yolo(data_yaml: str, split: str, classes: Sequence[str] | None = None) -> ReadAnnotations:
+    """The ``split`` (a key of ``data_yaml``: ``train``, ``val`` or ``test``) as a COCO dict; see the module doc."""
+    config = _read_yaml(data_yaml)
+    folder = os.path.dirname(os.path.abspath(data_yaml))
+    root = os.path.normpath(os.path.join(folder, str(config.get("path") or "")))
+    if split not in config or not config[split]:
+        present = [k for k in ("train", "val", "test") if config.get(k)]
+        raise DataError(f"{data_yaml} has no '{split}' split (it has {present}). Set `split` in the DATA.CUSTOM "
+                        "entry to one of them.")
+    names = _names(config, data_yaml)
+    class_list = ClassList(classes, default=names)
+    image_paths = _list_images(config[split], root, data_yaml, split)
+    category_ids = class_list.ids()  # known up-front: `names` (or `classes`) lists every class
+
+    images, annotations, origins = [], [], {}
+    for image_id, path in enumerate(image_paths, 1):
+        labels = label_path(path)
+        width, height = image_size(path, labels if os.path.isfile(labels) else data_yaml)
+        images.append({"id": image_id, "file_name": relative_to(path, root), "width": width, "height": height})
+        for line_no, cls, values in _read_label_file(labels, names, config.get("kpt_shape")):
+            where = f"{labels}:{line_no}"
+            class_list.see(names[cls], where)
+            ann = _annotation(len(annotations) + 1, image_id, values, width, height)
+            ann["category_id"] = category_ids[names[cls]]
+            annotations.append(ann)
+            origins[ann["id"]] = where
+    coco = {"images": images, "annotations": annotations, "categories": class_list.categories()}
+    return ReadAnnotations(coco, root, origins)
+
+
+def _read_yaml(data_yaml: str) -> dict[str, Any]:
+    if not os.path.isfile(data_yaml):
+        raise DataError(f"YOLO data file not found: {data_yaml}. Point `path` of the DATA.CUSTOM entry at the "
+                        "dataset's data.yaml.")
+    try:
+        with open(data_yaml, encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{data_yaml}:{mark.line + 1}" if mark else data_yaml
+        raise DataError(f"{where}: not valid YAML ({getattr(exc, 'problem', exc)}). Fix the data.yaml.") from exc
+    if not isinstance(config, dict):
+        raise DataError(f"{data_yaml} is not a YOLO data.yaml: it must be a mapping with 'path', 'train', 'val' "
+                        "and 'names'.")
+    return config
+
+
+def _names(config: dict[str, Any], data_yaml: str) -> list[str]:
+    names = config.get("names")
+    if isinstance(names, dict):
+        if sorted(names) != list(range(len(names))):
+            raise DataError(f"'names' in {data_yaml} must be indexed 0..{len(names) - 1} (class index -> name), "
+                            f"got indices {sorted(names, key=str)[:10]}.")
+        names = [names[i] for i in range(len(names))]
+    if names is None and isinstance(config.get("nc"), int):
+        names = [f"class{i}" for i in range(config["nc"])]  # Ultralytics' names for a set that gives only nc
+    if not isinstance(names, list) or not names:
+        raise DataError(f"{data_yaml} has no class list: add 'names' (a list, or a dict {{0: name, ...}}).")
+    return check_class_names(names, data_yaml)
+
+
+def _list_images(source: Any, root: str, data_yaml: str, split: str) -> list[str]:
+    """Image paths of a split, sorted (Ultralytics sorts the images of all its sources together)."""
+    paths: list[str] = []
+    for entry in source if isinstance(source, list) else [source]:
+        where = os.path.normpath(os.path.join(root, str(entry)))
+        if os.path.isdir(where):
+            paths += [p for p in glob.glob(os.path.join(glob.escape(where), "**", "*.*"), recursive=True)
+                      if p.lower().endswith(IMAGE_EXTENSIONS)]
+        elif os.path.isfile(where):
+            with open(where, encoding="utf-8") as f:
+                lines = [line.strip() for line in f if line.strip()]
+            paths += [os.path.normpath(os.path.join(os.path.dirname(where), line)) for line in lines]
+        else:
+            raise DataError(f"{data_yaml}: the '{split}' images {where} do not exist (a folder or a text file of "
+                            "image paths is expected). Fix the path in the data.yaml.")
+    if not paths:
+        raise DataError(f"{data_yaml}: the '{split}' split has no images in {source}. Check the path.")
+    return sorted(paths)
+
+
+def _read_label_file(
+    path: str, names: Sequence[str], kpt_shape: Any
+) -> list[tuple[int, int, np.ndarray]]:
+    """``(line number, class index, values)`` of each label line; a missing file has none (a background image)."""
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8-sig") as f:
+        lines = f.read().splitlines()
+    box_values = 5 if kpt_shape is None else 5 + int(np.prod(kpt_shape))  # a pose set: the box, then keypoints
+    rows = []
+    for line_no, line in enumerate(lines, 1):
+        fields = line.split()
+        if not fields:
+            continue
+        where = f"{path}:{line_no}"
+        try:
+            values = np.array([float(v) for v in fields], dtype=np.float64)
+        except ValueError:
+            raise DataError(f"{where}: '{line.strip()[:80]}' is not numbers; a YOLO label line is "
+                            "'class cx cy w h' (or 'class x1 y1 x2 y2 ...' for a polygon).") from None
+        if kpt_shape is not None and len(values) == box_values:
+            values = values[:5]
+        if len(values) != 5 and (len(values) < 7 or len(values) % 2 == 0):
+            raise DataError(f"{where}: {len(values)} values; a YOLO label line is 'class cx cy w h' (5 values) or "
+                            "'class x1 y1 x2 y2 x3 y3 ...' (a polygon of 3 or more points). Fix the line.")
+        cls = values[0]
+        if cls != int(cls) or not 0 <= cls < len(names):
+            raise DataError(f"{where}: class index {fields[0]} is not one of the {len(names)} classes of the "
+                            f"data.yaml (0..{len(names) - 1}). Fix the label or the data.yaml's 'names'.")
+        coords = values[1:]
+        if coords.min() < -_TOLERANCE or coords.max() > 1 + _TOLERANCE:
+            raise DataError(f"{where}: coordinates {fields[1:][:8]} are not normalised to [0, 1] (YOLO labels "
+                            "are fractions of the image width and height; these look like pixels). Divide them by "
+                            "the image size.")
+        rows.append((line_no, int(cls), coords))
+    return rows
+
+
+def _annotation(ann_id: int, image_id: int, coords: np.ndarray, width: int, height: int) -> dict[str, Any]:
+    """The COCO annotation of one label line, in pixels rounded to 1e-6 px: far below the labels' own
+    precision, it removes the float noise of the normalisation, so that a box written from pixel
+    coordinates reads back as exactly those (a label's 0.0 edge is 0, not 2e-9)."""
+    scale = np.array([width, height], dtype=np.float64)
+    if len(coords) == 4:
+        cx, cy, w, h = coords * np.tile(scale, 2)
+        x0, y0, x1, y1 = np.round([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], _DECIMALS)
+        box = [float(x0), float(y0), float(x1 - x0), float(y1 - y0)]
+        return {"id": ann_id, "image_id": image_id, "bbox": box, "area": box[2] * box[3], "iscrowd": 0}
+    points = np.round(coords.reshape(-1, 2) * scale, _DECIMALS)
+    (x0, y0), (x1, y1) = points.min(axis=0), points.max(axis=0)
+    xs, ys = points[:, 0], points[:, 1]
+    area = 0.5 * abs(float(np.dot(xs, np.roll(ys, 1)) - np.dot(ys, np.roll(xs, 1))))  # shoelace
+    box = [float(x0), float(y0), float(x1 - x0), float(y1 - y0)]
+    return {"id": ann_id, "image_id": image_id, "bbox": box, "area": area, "iscrowd": 0,
+            "segmentation": [points.reshape(-1).tolist()]}
