@@ -15,13 +15,14 @@ from dataclasses import dataclass
 
 from fvcore.common.config import CfgNode
 
-from pet.data.coco_json import COCODataset, load_coco_json
-from pet.data.shapes import generate_shapes
+from pet.data.categories import coco_categories
+from pet.data.coco_json import COCODataset, load_coco_json, read_categories
+from pet.data.shapes import SHAPE_CLASSES, generate_shapes
 from pet.utils.errors import ConfigError
 
 __all__ = [
     "DatasetSpec", "data_root", "register_coco_dataset", "register_custom_datasets", "get_dataset_spec",
-    "get_dataset", "list_datasets",
+    "get_dataset", "dataset_categories", "list_datasets",
 ]
 
 logger = logging.getLogger(__name__)
@@ -31,12 +32,14 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__f
 
 @dataclass(frozen=True)
 class DatasetSpec:
-    """Where a named dataset lives; ``prepare`` (if any) creates it on first use."""
+    """Where a named dataset lives; ``prepare`` (if any) creates it on first use; ``categories`` (if any)
+    gives its categories ``{id: name}`` without reading ``json_file`` (the built-in datasets' are known)."""
 
     name: str
     json_file: str
     image_root: str
     prepare: Callable[[], object] | None = None
+    categories: Callable[[], dict[int, str]] | None = None
 
 
 def data_root() -> str:
@@ -50,6 +53,7 @@ def _shapes(split: str) -> Callable[[str], DatasetSpec]:
         return DatasetSpec(
             f"shapes_{split}", os.path.join(shapes_root, "annotations", f"{split}.json"),
             os.path.join(shapes_root, split), prepare=functools.partial(generate_shapes, shapes_root),
+            categories=lambda: {i + 1: name for i, name in enumerate(SHAPE_CLASSES)},
         )
 
     return spec
@@ -60,7 +64,7 @@ def _coco(split: str) -> Callable[[str], DatasetSpec]:
         coco_root = os.path.join(root, "coco")
         return DatasetSpec(
             f"coco_2017_{split}", os.path.join(coco_root, "annotations", f"instances_{split}2017.json"),
-            os.path.join(coco_root, f"{split}2017"),
+            os.path.join(coco_root, f"{split}2017"), categories=coco_categories,
         )
 
     return spec
@@ -140,6 +144,21 @@ def get_dataset(name: str, *, strict: bool = False) -> COCODataset:
         _CACHE[key] = load_coco_json(spec.json_file, spec.image_root, name, strict=strict)
         logger.info(f"Loaded dataset '{name}': {len(_CACHE[key])} images from {spec.json_file}")
     return _CACHE[key]
+
+
+def dataset_categories(name: str) -> dict[int, str]:
+    """The categories ``{id: name}`` (by increasing id) of the dataset registered as ``name``, without loading
+    images or annotations: what a model trained or evaluated on it calls its classes.
+
+    The built-in datasets' are known without any file (``coco_2017_train`` / ``coco_2017_val``: COCO's 80,
+    from torchvision's list; ``shapes_*``: the demo's 3); any other dataset's are read from the
+    ``categories`` of its annotation file. ``DATA.CUSTOM`` entries must be registered first
+    (:func:`register_custom_datasets`).
+    """
+    spec = get_dataset_spec(name)
+    if spec.categories is not None:
+        return dict(sorted(spec.categories().items()))
+    return read_categories(spec.json_file, name)
 
 
 def _resolve(path: str) -> str:

@@ -50,7 +50,9 @@ class DatasetMapper:
     - ``image_size``: (h, w) after the transforms; ``orig_size``: (h, w) as decoded;
     - ``boxes``: float32 [N, 4] XYXY in the pixels of ``image``, clipped to it; crowd and dropped
       annotations are not there;
-    - ``labels``: int64 [N] contiguous labels 1..C (``dataset.label_to_category_id`` maps them back);
+    - ``labels``: int64 [N] the record's labels: in a loader, the model's (``MODEL.LABEL_SPACE``; the
+      :class:`~pet.data.dataset.DetectionDataset` maps records into its ``label_space``, whose
+      ``category_id(label)`` gives each one's category id);
     - ``masks`` (only with ``mask_on``): uint8 [N, h, w] of 0/1, mask i belongs to box i.
 
     Masks are decoded with pycocotools. Polygons go through the same coordinate transform as the
