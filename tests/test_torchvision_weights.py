@@ -16,6 +16,7 @@ torchvision's model runs channels-last, as Pet does (tests/parity.py: the two ar
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import cv2
@@ -26,7 +27,11 @@ import torch
 from helpers import CFGS, custom_datasets, run_tool
 from parity import ARCHS, _rescale_outputs, shapes_image
 
+from pet.config import load_cfg
 from pet.data import coco_categories
+from pet.modeling import build_model
+from pet.utils.errors import ConfigError
+from pet.utils.weights import load_weights
 
 FAVOURED = (13, 90)  # "stop sign" and "toothbrush": every other class is far below the score thresholds
 SHAPE_TO_COCO = {1: 13, 2: 90, 3: 1}  # the shapes' circles, rectangles and triangles as COCO category ids
@@ -188,3 +193,75 @@ def test_shipped_coco_config_evaluates_torchvision_weights_as_torchvision(arch, 
     # the per-class table has the dataset's 80 categories, not the head's 90 rows
     assert sum(k.startswith("bbox/AP-") for k in metrics) == 80 and "bbox/AP-N/A" not in metrics
 
+
+@pytest.fixture(scope="module")
+def torchvision_files(tmp_path_factory) -> dict[str, str]:
+    """Per architecture, a saved torchvision ``<arch>_resnet50_fpn(num_classes=91)`` state_dict (untrained)."""
+    root = tmp_path_factory.mktemp("torchvision_weights")
+    files = {}
+    for arch in CLASSIFIERS:
+        torch.manual_seed(0)
+        files[arch] = str(root / f"{arch}.pth")
+        torch.save(ARCHS[arch].builder(weights=None, weights_backbone=None, num_classes=91).state_dict(), files[arch])
+    return files
+
+
+# The class-dependent layers of each architecture, as the re-initialisation line names them.
+CLASS_HEADS = {
+    "faster_rcnn": "roi_heads.box_predictor.cls_score, roi_heads.box_predictor.bbox_pred",
+    "mask_rcnn": ("roi_heads.box_predictor.cls_score, roi_heads.box_predictor.bbox_pred, "
+                  "roi_heads.mask_predictor.mask_fcn_logits"),
+    "retinanet": "head.classification_head.cls_logits",
+    "fcos": "head.classification_head.cls_logits",
+}
+
+
+@pytest.mark.parametrize("arch", list(CLASS_HEADS))
+def test_fine_tuning_from_torchvision_weights_reinitialises_the_class_head_with_one_info_line(
+        arch, torchvision_files, caplog):
+    """train_net's TRAIN.WEIGHTS load (``load_weights`` in training mode) with the shipped config set for 3 classes:
+    everything else loads, the class head keeps its fresh initialisation, and the log says so in one info line."""
+    cfg = load_cfg(cfg_file(arch), ["MODEL.NUM_CLASSES", "3", "MODEL.LABEL_SPACE", "contiguous"])
+    torch.manual_seed(1)
+    model = build_model(cfg)
+    fresh = {k: v.clone() for k, v in model.state_dict().items()}
+    with caplog.at_level(logging.INFO, logger="pet.utils.weights"):
+        report = load_weights(model, torchvision_files[arch])
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    lines = [r.getMessage() for r in caplog.records if "re-initialised" in r.getMessage()]
+    assert len(lines) == 1 and f"The class head ({CLASS_HEADS[arch]}) is re-initialised for 3 classes" in lines[0]
+    assert report["missing"] == report["unexpected"] == []
+    theirs = torch.load(torchvision_files[arch], weights_only=True)
+    for key, value in model.state_dict().items():
+        expected = fresh[key] if key in report["mismatched"] else theirs[key]
+        assert torch.equal(value, expected), key
+
+
+def test_test_net_refuses_weights_that_leave_the_fpn_random(coco_mini, torchvision_files, tmp_path):
+    json_file, image_dir, _ = coco_mini
+    state = torch.load(torchvision_files["faster_rcnn"], weights_only=True)
+    partial = tmp_path / "no_fpn.pth"
+    torch.save({k: v for k, v in state.items() if not k.startswith("backbone.fpn.")}, partial)
+    proc = run_tool("test_net.py", "--cfg", cfg_file("faster_rcnn"), "CKPT", tmp_path / "run",
+                    "DATA.CUSTOM", custom_datasets(("coco_mini", json_file, image_dir)),
+                    "TEST.DATASETS", "('coco_mini',)", "TEST.WEIGHTS", partial, check=False)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ")
+    assert "backbone.fpn.* (16 tensors missing)" in lines[0] and "TEST.ALLOW_RANDOM_WEIGHTS" in lines[0]
+    assert not (tmp_path / "run" / "test" / "bbox.json").exists()
+
+
+def test_evaluating_with_a_class_head_of_another_size_is_an_error_naming_the_setting(torchvision_files, caplog):
+    """The issue's first trap: torchvision's 91-row weights into an 81-row head (NUM_CLASSES 80), which used to
+    leave the class head random with a warning and evaluate anyway. Opting in turns the error into the warning."""
+    cfg = load_cfg(cfg_file("faster_rcnn"), ["MODEL.NUM_CLASSES", "80", "MODEL.LABEL_SPACE", "contiguous"])
+    model = build_model(cfg)
+    with pytest.raises(ConfigError, match=r"roi_heads\.box_predictor\.\* \(4 tensors mismatched\).*"
+                                          r"MODEL.NUM_CLASSES 80.*90 and category_id"):
+        load_weights(model, torchvision_files["faster_rcnn"], for_inference=True)
+    with caplog.at_level(logging.INFO, logger="pet.utils.weights"):
+        report = load_weights(model, torchvision_files["faster_rcnn"], for_inference=True, allow_random=True)
+    assert len(report["mismatched"]) == 4
+    assert [r.levelno for r in caplog.records if "did not load" in r.getMessage()] == [logging.WARNING]
+    assert "re-initialised" not in caplog.text

@@ -367,6 +367,10 @@ _C.TEST = CN()
 _C.TEST.DATASETS = ("shapes_val",)
 # Weights to test; empty means CKPT/model_final.pth.
 _C.TEST.WEIGHTS = ""
+# test_net.py and export.py refuse weights that leave part of the model at its random initial values
+# (a part the file lacks, or whose shape differs, e.g. a class head for another NUM_CLASSES): the error
+# names the part. True: go on with a warning instead (e.g. to time an untrained model).
+_C.TEST.ALLOW_RANDOM_WEIGHTS = False
 # Images per batch summed over all processes.
 _C.TEST.IMS_PER_BATCH = 1
 # Precision of inference, chosen as SOLVER.AMP's (auto / True / False; DTYPE auto / bfloat16 /
