@@ -25,7 +25,9 @@ R-CNN fewer, cut by the score threshold) while a flat grey image has none.
 **Inputs.** Images of the shapes demo's kind (textured backgrounds, filled shapes, noise) of three sizes and aspect
 ratios: one resized down from a larger original, one up, and the flat one, capped by ``MAX_SIZE_TEST``. They go
 through Pet's own mapper and collator, so the batch is exactly what Pet's loader gives the model (uint8,
-channels-last, padded to 32); torchvision's model gets the same pixels as floats, unpadded.
+channels-last, padded to 32); torchvision's model gets the same pixels as floats, unpadded. The shapes are COCO
+categories (:data:`SHAPE_CATEGORIES`, ids up to 90) labelled in the shipped configs' label space (``NUM_CLASSES 90``,
+``LABEL_SPACE category_id``: label = category id, torchvision's 91-row COCO layout), as Pet's loader labels them.
 
 **Memory format.** Pet runs channels-last (``MODEL.CHANNELS_LAST``, the default), torchvision contiguous. Their
 convolutions add in different orders, so torchvision's own model gives slightly different numbers in the two
@@ -55,6 +57,7 @@ from torchvision.ops import FrozenBatchNorm2d
 
 from pet.config import load_cfg
 from pet.data.build import collate_batch
+from pet.data.categories import LabelSpace
 from pet.data.mapper import DatasetMapper
 from pet.data.shapes import _render
 from pet.modeling import build_model, poolers
@@ -118,14 +121,23 @@ def training_images() -> list[tuple[np.ndarray, list[dict[str, Any]]]]:
     return inference_images()[:2]
 
 
-def _record(image_id: int, annotations: list[dict[str, Any]]) -> dict[str, Any]:
-    """A dataset record as Pet's COCO dataset gives the mapper (boxes XYXY, contiguous labels, RLE masks)."""
+# The shapes' classes (``label`` 1-3 of :func:`shapes_image`) as COCO categories, COCO's last id (90) among them.
+SHAPE_CATEGORIES = {1: (13, "stop sign"), 2: (90, "toothbrush"), 3: (1, "person")}
+
+
+def label_space(cfg) -> LabelSpace:
+    """The label space Pet's loader gives a dataset of :data:`SHAPE_CATEGORIES` under ``cfg``."""
+    return LabelSpace.build(cfg.MODEL.LABEL_SPACE, dict(SHAPE_CATEGORIES.values()), cfg.MODEL.NUM_CLASSES)
+
+
+def _record(image_id: int, annotations: list[dict[str, Any]], space: LabelSpace) -> dict[str, Any]:
+    """A dataset record as Pet's dataset gives the mapper (boxes XYXY, labels of ``space``, RLE masks)."""
     boxes = []
     for ann in annotations:
         ys, xs = np.nonzero(ann["mask"])
         boxes.append([xs.min(), ys.min(), xs.max() + 1, ys.max() + 1])
     return {"image_id": image_id, "boxes": np.asarray(boxes, dtype=np.float32).reshape(-1, 4),
-            "labels": [ann["label"] for ann in annotations],
+            "labels": [space.category_id_to_label[SHAPE_CATEGORIES[ann["label"]][0]] for ann in annotations],
             "segmentations": [mask_util.encode(np.asfortranarray(ann["mask"])) for ann in annotations]}
 
 
@@ -133,7 +145,8 @@ def pet_batch(cfg, images: list[tuple[np.ndarray, list[dict[str, Any]]]], *, tra
     """``images`` through Pet's mapper (test or training transforms) and collator: the loader's batch."""
     mapper = DatasetMapper.from_config(cfg, is_train=train)
     rng = np.random.default_rng(0)
-    samples = [mapper(_record(i + 1, anns), image, rng) for i, (image, anns) in enumerate(images)]
+    space = label_space(cfg)
+    samples = [mapper(_record(i + 1, anns, space), image, rng) for i, (image, anns) in enumerate(images)]
     return collate_batch(samples, cfg.INPUT.SIZE_DIVISIBILITY)
 
 

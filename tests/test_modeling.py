@@ -87,7 +87,7 @@ def test_eval_boxes_are_in_original_image_coordinates(demo_model):
 
 
 def _coco_cfg(*opts: str):
-    return load_cfg(os.path.join(CFGS, "coco", "faster_rcnn_R-50-FPN_1x.yaml"), ["MODEL.NUM_CLASSES", "90", *opts])
+    return load_cfg(os.path.join(CFGS, "coco", "faster_rcnn_R-50-FPN_1x.yaml"), list(opts))
 
 
 def test_torchvision_detection_state_dict_loads_without_leftovers(tmp_path, caplog):

@@ -34,7 +34,7 @@ TV_MODULES = {"backbone.body", "backbone.fpn", "anchor_generator", "head.classif
 
 
 def _coco_cfg(name: str, *opts: str):
-    return load_cfg(os.path.join(CFGS, "coco", f"{name}_R-50-FPN_1x.yaml"), ["MODEL.NUM_CLASSES", "90", *opts])
+    return load_cfg(os.path.join(CFGS, "coco", f"{name}_R-50-FPN_1x.yaml"), list(opts))
 
 
 def _demo_cfg(name: str, *opts: str):

@@ -48,7 +48,7 @@ def main() -> None:
 
     model = build_model(cfg)
     load_weights(model, args.weights or cfg.TEST.WEIGHTS or os.path.join(cfg.CKPT, "model_final.pth"),
-                 unsafe=args.unsafe_load)
+                 unsafe=args.unsafe_load, for_inference=True, allow_random=cfg.TEST.ALLOW_RANDOM_WEIGHTS)
     model.eval()
     batches = parity_batches(cfg)
     if not args.check_only:

@@ -20,7 +20,7 @@ import cv2  # noqa: E402
 from fvcore.common.config import CfgNode  # noqa: E402
 
 from pet.config import load_cfg  # noqa: E402
-from pet.data import DatasetMapper, build_test_loader, build_train_loader  # noqa: E402
+from pet.data import DatasetMapper, LabelSpace, build_test_loader, build_train_loader  # noqa: E402
 from pet.engine.defaults import launch_cli  # noqa: E402
 from pet.utils.logger import setup_logger  # noqa: E402
 from pet.utils.visualization import draw_detections  # noqa: E402
@@ -28,8 +28,8 @@ from pet.utils.visualization import draw_detections  # noqa: E402
 logger = logging.getLogger("pet.tools.visualize_data")
 
 
-def samples(cfg: CfgNode, split: str) -> Iterator[tuple[dict, list[str]]]:
-    """``(target with its unpadded "image" as HWC RGB, class names)`` one image at a time."""
+def samples(cfg: CfgNode, split: str) -> Iterator[tuple[dict, LabelSpace]]:
+    """``(target with its unpadded "image" as HWC RGB, the label space naming its labels)`` one image at a time."""
     if split == "train":
         loaders = [build_train_loader(cfg)]
     else:  # the test transforms, with masks drawn too when the model uses them
@@ -39,7 +39,7 @@ def samples(cfg: CfgNode, split: str) -> Iterator[tuple[dict, list[str]]]:
         for images, targets in loader:
             for image, target in zip(images, targets):
                 h, w = target["image_size"]
-                yield {**target, "image": image[:, :h, :w].permute(1, 2, 0).numpy()}, loader.dataset.class_names
+                yield {**target, "image": image[:, :h, :w].permute(1, 2, 0).numpy()}, loader.dataset.label_space
 
 
 def main() -> None:
@@ -58,8 +58,8 @@ def main() -> None:
     out_dir = args.out or os.path.join(cfg.CKPT, "vis_data")
     os.makedirs(out_dir, exist_ok=True)
     written = 0
-    for i, (sample, class_names) in enumerate(itertools.islice(samples(cfg, args.split), args.num)):
-        names = [class_names[int(label) - 1] for label in sample["labels"]]
+    for i, (sample, label_space) in enumerate(itertools.islice(samples(cfg, args.split), args.num)):
+        names = [label_space.name(int(label)) for label in sample["labels"]]
         masks = sample["masks"].numpy() if "masks" in sample else None
         canvas = draw_detections(sample["image"], sample["boxes"].numpy(), names, masks=masks)
         path = os.path.join(out_dir, f"{args.split}_{i:03d}_id{sample['image_id']}.png")

@@ -146,6 +146,9 @@ def validate_cfg(cfg: CfgNode) -> None:
            f"{key}.DTYPE must be auto, bfloat16 or float16, got '{amp.DTYPE}'")
           for key, amp in (("SOLVER.AMP", solver.AMP), ("TEST.AMP", cfg.TEST.AMP))],
         (cfg.DEVICE in ("auto", "cpu", "cuda"), f"DEVICE must be auto, cpu or cuda, got '{cfg.DEVICE}'"),
+        (cfg.MODEL.NUM_CLASSES > 0, f"MODEL.NUM_CLASSES must be > 0, got {cfg.MODEL.NUM_CLASSES}"),
+        (cfg.MODEL.LABEL_SPACE in ("contiguous", "category_id"),  # pet.data.categories.LABEL_SPACES
+         f"MODEL.LABEL_SPACE must be contiguous or category_id, got '{cfg.MODEL.LABEL_SPACE}'"),
         (cfg.DISPLAY_ITER > 0, f"DISPLAY_ITER must be > 0, got {cfg.DISPLAY_ITER}"),
         (cfg.DATA.ON_BAD_IMAGE in ("error", "skip"),
          f"DATA.ON_BAD_IMAGE must be error or skip, got '{cfg.DATA.ON_BAD_IMAGE}'"),

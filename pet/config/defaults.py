@@ -96,8 +96,16 @@ _C.MODEL = CN()
 # Registered name of the detector (see pet.modeling.META_ARCH_REGISTRY): FasterRCNN, MaskRCNN,
 # RetinaNet, FCOS or your own.
 _C.MODEL.META_ARCHITECTURE = "FasterRCNN"
-# Number of object classes, background excluded.
+# Number of object classes, background excluded: the class head has NUM_CLASSES + 1 rows (row 0 is
+# background; RetinaNet/FCOS have NUM_CLASSES + 1 sigmoid outputs, output 0 never used).
 _C.MODEL.NUM_CLASSES = 80
+# What row L (label L, 1..NUM_CLASSES) of the class head means (pet/data/categories.py):
+# "contiguous": the dataset's categories sorted by id are labels 1..K, and NUM_CLASSES must be K;
+# "category_id": label L is category id L, so every category id must be <= NUM_CLASSES and ids the
+#   dataset lacks are rows never trained. torchvision's COCO models use this layout (NUM_CLASSES 90:
+#   background + COCO's ids 1..90, ten unused), so the cfgs/coco configs set it and their weights load
+#   row for row. Fine-tuning on your own classes: contiguous with NUM_CLASSES K.
+_C.MODEL.LABEL_SPACE = "contiguous"
 # Instance masks: training samples then carry target["masks"] (uint8 [N, h, w], decoded from the
 # COCO polygons / RLE and transformed with the image); every non-crowd annotation needs a segmentation.
 _C.MODEL.MASK_ON = False
@@ -384,6 +392,10 @@ _C.TEST = CN()
 _C.TEST.DATASETS = ("shapes_val",)
 # Weights to test; empty means CKPT/model_final.pth.
 _C.TEST.WEIGHTS = ""
+# test_net.py and export.py refuse weights that leave part of the model at its random initial values
+# (a part the file lacks, or whose shape differs, e.g. a class head for another NUM_CLASSES): the error
+# names the part. True: go on with a warning instead (e.g. to time an untrained model).
+_C.TEST.ALLOW_RANDOM_WEIGHTS = False
 # Images per batch summed over all processes.
 _C.TEST.IMS_PER_BATCH = 1
 # Precision of inference, chosen as SOLVER.AMP's (auto / True / False; DTYPE auto / bfloat16 /

@@ -4,8 +4,9 @@ A loader yields ``(images, targets)`` per the batch contract: ``images`` is a ui
 [B, 3, H, W] RGB tensor (channels-last in memory) zero-padded at the bottom/right to multiples of
 INPUT.SIZE_DIVISIBILITY, ``targets`` a list of per-image dicts (image_id, image_size,
 orig_size, boxes, labels, and masks in training with MODEL.MASK_ON; see :class:`DatasetMapper`).
-``loader.dataset`` is the :class:`DetectionDataset` (name, coco, class_names,
-label_to_category_id, ...).
+``loader.dataset`` is the :class:`DetectionDataset` (name, coco, categories, label_space, class_names,
+label_to_category_id, ...). Its label space (:func:`build_label_space`) follows ``MODEL.LABEL_SPACE``
+and ``MODEL.NUM_CLASSES``, so ``labels`` are the model's.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from torch.utils.data import DataLoader
 
 from pet.data.balance import log_repeat_factors, repeat_factors
 from pet.data.catalog import get_dataset, register_custom_datasets
+from pet.data.categories import LabelSpace
 from pet.data.coco_json import COCODataset, require_masks
 from pet.data.dataset import DetectionDataset, LoadFailure, check_same_categories
 from pet.data.mapper import DatasetMapper, crop_size
@@ -42,7 +44,7 @@ from pet.utils.errors import ConfigError, DataError
 from pet.utils.table import format_table
 
 __all__ = [
-    "PetDataLoader", "BatchCollator", "build_train_loader", "build_test_loader", "collate_batch",
+    "PetDataLoader", "BatchCollator", "build_train_loader", "build_test_loader", "build_label_space", "collate_batch",
     "per_process_batch_size",
 ]
 
@@ -160,9 +162,11 @@ def build_train_loader(cfg: CfgNode, mapper: DatasetMapper | None = None) -> Pet
     if cfg.DATA.SAMPLER not in _SAMPLERS:
         raise ConfigError(f"DATA.SAMPLER must be one of {list(_SAMPLERS)}, got {cfg.DATA.SAMPLER!r}.")
     sources = [get_dataset(name, strict=cfg.DATA.STRICT) for name in names]
-    if cfg.TEST.EVAL_PERIOD > 0:  # validation would stop on a mismatch later: say so before training
+    label_space = build_label_space(cfg, sources[0])
+    if cfg.TEST.EVAL_PERIOD > 0 and cfg.MODEL.LABEL_SPACE == "contiguous":
+        # Validation would stop on a mismatch later: say so before training. (In the category_id layout a
+        # test set may hold any subset of the ids.)
         check_same_categories([*sources, *(get_dataset(n, strict=cfg.DATA.STRICT) for n in cfg.TEST.DATASETS)])
-    _check_num_classes(cfg, sources[0])
     for source in sources:
         log_instances_table(source)
     mapper = mapper or DatasetMapper.from_config(cfg, is_train=True)
@@ -170,6 +174,7 @@ def build_train_loader(cfg: CfgNode, mapper: DatasetMapper | None = None) -> Pet
         require_masks(sources)
     dataset = DetectionDataset(
         sources, mapper, is_train=True, filter_empty=cfg.DATA.FILTER_EMPTY, on_bad_image=cfg.DATA.ON_BAD_IMAGE,
+        label_space=label_space,
     )
     batch_size = per_process_batch_size(cfg.SOLVER.IMS_PER_BATCH, "SOLVER.IMS_PER_BATCH")
     seed = _shared_seed(cfg.SEED)
@@ -231,11 +236,12 @@ def build_test_loader(cfg: CfgNode, dataset_name: str, mapper: DatasetMapper | N
     """
     register_custom_datasets(cfg)
     source = get_dataset(dataset_name, strict=cfg.DATA.STRICT)
-    _check_num_classes(cfg, source)
+    label_space = build_label_space(cfg, source)
     mapper = mapper or DatasetMapper.from_config(cfg, is_train=False)
     if mapper.mask_on:
         require_masks([source])
-    dataset = DetectionDataset([source], mapper, is_train=False, on_bad_image=cfg.DATA.ON_BAD_IMAGE)
+    dataset = DetectionDataset([source], mapper, is_train=False, on_bad_image=cfg.DATA.ON_BAD_IMAGE,
+                               label_space=label_space)
     batch_size = per_process_batch_size(cfg.TEST.IMS_PER_BATCH, "TEST.IMS_PER_BATCH")
     # A plain sampler + batch_size (not a batch sampler) so loader.sampler / loader.batch_size describe the shard.
     return _make_loader(cfg, dataset, _shared_seed(cfg.SEED), sampler=InferenceSampler(len(dataset)),
@@ -301,8 +307,22 @@ def _shared_seed(seed: int) -> int:
     return int(comm.all_gather_object(drawn)[0])
 
 
-def _check_num_classes(cfg: CfgNode, dataset: COCODataset) -> None:
-    num = len(dataset.class_names)
-    if cfg.MODEL.NUM_CLASSES != num:
-        raise ConfigError(f"Dataset '{dataset.name}' has {num} categories but MODEL.NUM_CLASSES is "
-                          f"{cfg.MODEL.NUM_CLASSES}; set MODEL.NUM_CLASSES {num}.")
+def build_label_space(cfg: CfgNode, dataset: COCODataset) -> LabelSpace:
+    """The model's label space for ``dataset``'s categories: ``MODEL.LABEL_SPACE`` with ``MODEL.NUM_CLASSES``.
+
+    ``contiguous`` needs NUM_CLASSES to be the number of categories; ``category_id`` needs every category
+    id to be at most NUM_CLASSES (label L is category id L). Otherwise a :class:`ConfigError` names the
+    dataset and the setting to change.
+    """
+    mode, num_classes, categories = cfg.MODEL.LABEL_SPACE, cfg.MODEL.NUM_CLASSES, dataset.categories
+    if mode == "contiguous" and len(categories) != num_classes:
+        hint = ""
+        if max(categories) <= num_classes:  # e.g. COCO's 80 categories (ids up to 90) and NUM_CLASSES 90
+            hint = (f", or MODEL.LABEL_SPACE category_id to keep its category ids as labels (ids 1..{num_classes}, "
+                    "as torchvision's COCO models)")
+        raise ConfigError(f"Dataset '{dataset.name}' has {len(categories)} categories but MODEL.NUM_CLASSES is "
+                          f"{num_classes}; set MODEL.NUM_CLASSES {len(categories)}{hint}.")
+    try:
+        return LabelSpace.build(mode, categories, num_classes)
+    except ConfigError as exc:
+        raise ConfigError(f"Dataset '{dataset.name}': {exc}") from None

@@ -17,15 +17,16 @@ from dataclasses import dataclass
 
 from fvcore.common.config import CfgNode
 
-from pet.data.coco_json import COCODataset, build_coco_dataset, load_coco_json
+from pet.data.categories import coco_categories
+from pet.data.coco_json import COCODataset, build_coco_dataset, load_coco_json, read_categories
 from pet.data.formats import FORMATS, read_annotations
 from pet.data.formats.common import check_class_names
-from pet.data.shapes import generate_shapes
+from pet.data.shapes import SHAPE_CLASSES, generate_shapes
 from pet.utils.errors import ConfigError, DataError
 
 __all__ = [
     "DatasetSpec", "data_root", "register_coco_dataset", "register_dataset", "register_custom_datasets",
-    "get_dataset_spec", "get_dataset", "list_datasets",
+    "get_dataset_spec", "get_dataset", "dataset_categories", "list_datasets",
 ]
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,8 @@ class DatasetSpec:
     ``path`` is the annotation source of ``format`` (a COCO JSON, a YOLO data.yaml, a VOC root or
     a CSV file), ``image_root`` the folder image paths are relative to (COCO and CSV), ``split``
     the YOLO / VOC split, ``classes`` the fixed class list (empty: the format's own), ``columns``
-    the CSV column names.
+    the CSV column names. ``categories`` (if any) gives the categories ``{id: name}`` without
+    reading ``path`` (the built-in datasets' are known).
     """
 
     name: str
@@ -51,6 +53,7 @@ class DatasetSpec:
     split: str = ""
     classes: tuple[str, ...] = ()
     columns: tuple[tuple[str, str], ...] = ()
+    categories: Callable[[], dict[int, str]] | None = None
 
 
 def data_root() -> str:
@@ -64,6 +67,7 @@ def _shapes(split: str) -> Callable[[str], DatasetSpec]:
         return DatasetSpec(
             f"shapes_{split}", os.path.join(shapes_root, "annotations", f"{split}.json"),
             os.path.join(shapes_root, split), prepare=functools.partial(generate_shapes, shapes_root),
+            categories=lambda: {i + 1: name for i, name in enumerate(SHAPE_CLASSES)},
         )
 
     return spec
@@ -74,7 +78,7 @@ def _coco(split: str) -> Callable[[str], DatasetSpec]:
         coco_root = os.path.join(root, "coco")
         return DatasetSpec(
             f"coco_2017_{split}", os.path.join(coco_root, "annotations", f"instances_{split}2017.json"),
-            os.path.join(coco_root, f"{split}2017"),
+            os.path.join(coco_root, f"{split}2017"), categories=coco_categories,
         )
 
     return spec
@@ -225,6 +229,25 @@ def _load(spec: DatasetSpec, strict: bool) -> COCODataset:
                             classes=spec.classes, columns=dict(spec.columns))
     return build_coco_dataset(read.coco, spec.path, read.image_root, spec.name, strict=strict, origins=read.origins,
                               format=spec.format)
+
+
+def dataset_categories(name: str) -> dict[int, str]:
+    """The categories ``{id: name}`` (by increasing id) of the dataset registered as ``name``, without
+    decoding images: what a model trained or evaluated on it calls its classes.
+
+    The built-in datasets' are known without any file (``coco_2017_train`` / ``coco_2017_val``: COCO's 80,
+    from torchvision's list; ``shapes_*``: the demo's 3); a fixed ``classes`` list gives ids 1..K; a COCO
+    file's are read from its ``categories``; YOLO, VOC and CSV sets are read (annotations and image headers).
+    ``DATA.CUSTOM`` entries must be registered first (:func:`register_custom_datasets`).
+    """
+    spec = get_dataset_spec(name)
+    if spec.categories is not None:
+        return dict(sorted(spec.categories().items()))
+    if spec.classes:
+        return {i + 1: c for i, c in enumerate(spec.classes)}
+    if spec.format == "coco":
+        return read_categories(spec.path, name)
+    return dict(sorted(get_dataset(name).categories.items()))
 
 
 def _resolve(path: str) -> str:

@@ -18,10 +18,11 @@ from typing import Any
 import numpy as np
 from pycocotools.coco import COCO
 
+from pet.data.categories import LabelSpace
 from pet.data.formats.common import image_size
 from pet.utils.errors import DataError
 
-__all__ = ["COCODataset", "load_coco_json", "build_coco_dataset", "require_masks"]
+__all__ = ["COCODataset", "load_coco_json", "build_coco_dataset", "read_categories", "require_masks"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +38,11 @@ class COCODataset:
             formats their ``path``: the data.yaml, the VOC root or the CSV file).
         format: the format it was read from: ``coco``, ``yolo``, ``voc`` or ``csv``.
         coco: the pycocotools ``COCO`` object of the file, unmodified (the evaluation ground truth).
-        class_names: category names ordered by category id; label ``i + 1`` is ``class_names[i]``.
-        label_to_category_id / category_id_to_label: contiguous labels (1..C) <-> COCO category ids.
+        categories: the file's categories ``{id: name}``, by increasing id.
+        label_space: the file's own contiguous :class:`~pet.data.categories.LabelSpace` (its categories
+            sorted by id are labels 1..C), the labels of ``records``. A model's label space may differ
+            (``MODEL.LABEL_SPACE``): :class:`~pet.data.dataset.DetectionDataset` maps the records into it.
+        class_names, label_to_category_id, category_id_to_label: views of ``label_space``.
         records: one dict per image: ``image_id``, ``file_name`` (full path), ``height``, ``width``,
             ``boxes`` (float32 [N, 4] XYXY, clipped, crowd excluded), ``labels`` (int64 [N]) and
             ``segmentations`` (N entries in the order of ``boxes``: a list of float64 polygons
@@ -61,12 +65,23 @@ class COCODataset:
         self.json_file = json_file
         self.image_root = image_root
         self.coco = coco
-        categories = sorted(coco.dataset["categories"], key=lambda c: c["id"])
-        self.class_names = [c["name"] for c in categories]
-        self.label_to_category_id = {i + 1: c["id"] for i, c in enumerate(categories)}
-        self.category_id_to_label = {cid: label for label, cid in self.label_to_category_id.items()}
+        self.categories = {c["id"]: str(c["name"]) for c in sorted(coco.dataset["categories"], key=lambda c: c["id"])}
+        self.label_space = LabelSpace.contiguous(self.categories)
         self.records = records
         self.annotations_without_mask = list(annotations_without_mask)
+
+    @property
+    def class_names(self) -> list[str]:
+        """Category names by increasing id: label ``i + 1`` is ``class_names[i]``."""
+        return list(self.label_space.names)
+
+    @property
+    def label_to_category_id(self) -> dict[int, int]:
+        return self.label_space.label_to_category_id
+
+    @property
+    def category_id_to_label(self) -> dict[int, int]:
+        return self.label_space.category_id_to_label
 
     def __len__(self) -> int:
         return len(self.records)
@@ -128,8 +143,7 @@ def build_coco_dataset(
     with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress lines
         coco.createIndex()
 
-    sorted_ids = sorted(categories)
-    cat_to_label = {cid: i + 1 for i, cid in enumerate(sorted_ids)}
+    cat_to_label = LabelSpace.contiguous(categories).category_id_to_label
     fixer = _BoxFixer(where, strict, origins or {})
     per_image: dict[int, list[tuple[list[float], int, Any]]] = collections.defaultdict(list)
     without_mask = []
@@ -162,6 +176,14 @@ def build_coco_dataset(
         raise DataError(f"{where} lists no images; an empty dataset cannot be trained or tested on. "
                         "Point the dataset at an annotation file with images.")
     return COCODataset(name, source, image_root, coco, records, without_mask, format=format)
+
+
+def read_categories(json_file: str, name: str | None = None) -> dict[int, str]:
+    """The categories ``{id: name}`` of a COCO annotation file, checked, without validating its images or
+    annotations (no image is opened)."""
+    name = name or os.path.splitext(os.path.basename(json_file))[0]
+    categories = _check_categories(_read_json(json_file, name)["categories"], f"{json_file} (dataset '{name}')")
+    return dict(sorted(categories.items()))
 
 
 def require_masks(datasets: Sequence[COCODataset]) -> None:

@@ -16,6 +16,7 @@ import cv2
 import numpy as np
 import torch
 
+from pet.data.categories import LabelSpace
 from pet.data.coco_json import COCODataset
 from pet.utils.errors import DataError
 
@@ -64,6 +65,12 @@ class DetectionDataset(torch.utils.data.Dataset):
     Unreadable images raise :class:`DataError`, or are replaced by another image and
     counted in ``num_skipped`` when ``on_bad_image`` is "skip".
 
+    ``label_space`` (default: the datasets' own contiguous one) is what the model's labels mean
+    (``MODEL.LABEL_SPACE``, built by :func:`pet.data.build.build_label_space`): every record's
+    ``labels`` are mapped into it, so the mapper's samples carry the model's labels, and
+    ``class_names`` / ``label_to_category_id`` / ``category_id_to_label`` are its views.
+    ``categories`` stays the datasets' own ``{id: name}`` (what evaluation scores).
+
     Attributes of the first dataset are exposed (``name`` joins all names) so that
     evaluators and tools can use a loader's dataset directly.
     """
@@ -76,6 +83,7 @@ class DetectionDataset(torch.utils.data.Dataset):
         is_train: bool,
         filter_empty: bool = True,
         on_bad_image: str = "error",
+        label_space: LabelSpace | None = None,
     ) -> None:
         if on_bad_image not in ("error", "skip"):
             raise DataError(f"on_bad_image must be 'error' or 'skip', got {on_bad_image!r}")
@@ -85,14 +93,14 @@ class DetectionDataset(torch.utils.data.Dataset):
         self.name = "+".join(d.name for d in datasets)
         self.json_file, self.image_root, self.coco = first.json_file, first.image_root, first.coco
         self.format = first.format
-        self.class_names = first.class_names
-        self.label_to_category_id = first.label_to_category_id
+        self.categories = first.categories
+        self.label_space = label_space or first.label_space
         self.mapper = mapper
         self.is_train = is_train
         self.on_bad_image = on_bad_image
         self.num_skipped = 0
 
-        records = [r for d in datasets for r in d.records]
+        records = [r for d in datasets for r in _relabelled(d, self.label_space)]
         if is_train and filter_empty:
             records = [r for r in records if len(r["labels"])]
             if not records:
@@ -108,6 +116,19 @@ class DetectionDataset(torch.utils.data.Dataset):
                       for r in records]
         self._offsets = np.cumsum([0] + [len(s) for s in serialized])
         self._buffer = np.concatenate(serialized)
+
+    @property
+    def class_names(self) -> list[str]:
+        """The name of each label: label ``L`` is ``class_names[L - 1]`` (prefer ``label_space.name(L)``)."""
+        return list(self.label_space.names)
+
+    @property
+    def label_to_category_id(self) -> dict[int, int]:
+        return self.label_space.label_to_category_id
+
+    @property
+    def category_id_to_label(self) -> dict[int, int]:
+        return self.label_space.category_id_to_label
 
     def __len__(self) -> int:
         return len(self._offsets) - 1
@@ -169,13 +190,29 @@ class DetectionDataset(torch.utils.data.Dataset):
         return kept
 
 
+def _relabelled(dataset: COCODataset, label_space: LabelSpace) -> list[dict[str, Any]]:
+    """``dataset``'s records with their labels (the dataset's own contiguous ones) mapped into ``label_space``.
+
+    Shallow copies: the cached dataset's records stay as they are."""
+    if label_space == dataset.label_space:
+        return dataset.records
+    to_label = np.zeros(dataset.label_space.num_classes + 1, dtype=np.int64)
+    for label, category_id in dataset.label_to_category_id.items():
+        if category_id not in label_space.category_id_to_label:
+            raise DataError(f"Category id {category_id} ('{dataset.categories[category_id]}') of dataset "
+                            f"'{dataset.name}' has no label in the given label space; build it from the "
+                            "dataset's categories (pet.data.build_label_space).")
+        to_label[label] = label_space.category_id_to_label[category_id]
+    return [{**r, "labels": to_label[r["labels"]]} for r in dataset.records]
+
+
 def check_same_categories(datasets: Sequence[COCODataset]) -> None:
     """Datasets used together (concatenated, or trained and tested in one run) must share one label space:
     the same category ids and names. A mismatch is a :class:`DataError` naming the classes and the files."""
     first = datasets[0]
-    reference = list(zip(first.label_to_category_id.values(), first.class_names))
+    reference = list(first.categories.items())
     for other in datasets[1:]:
-        categories = list(zip(other.label_to_category_id.values(), other.class_names))
+        categories = list(other.categories.items())
         if categories != reference:
             only_first = [n for n in first.class_names if n not in other.class_names]
             only_other = [n for n in other.class_names if n not in first.class_names]

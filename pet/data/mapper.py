@@ -68,7 +68,9 @@ class DatasetMapper:
     - ``boxes``: float32 [N, 4] XYXY in the pixels of ``image``, clipped to it; crowd and dropped
       annotations are not there, nor boxes a crop left with less than ``min_visible`` of their area
       (their label and mask go with them);
-    - ``labels``: int64 [N] contiguous labels 1..C (``dataset.label_to_category_id`` maps them back);
+    - ``labels``: int64 [N] the record's labels: in a loader, the model's (``MODEL.LABEL_SPACE``; the
+      :class:`~pet.data.dataset.DetectionDataset` maps records into its ``label_space``, whose
+      ``category_id(label)`` gives each one's category id);
     - ``masks`` (only with ``mask_on``): uint8 [N, h, w] of 0/1, mask i belongs to box i.
 
     Masks are decoded with pycocotools. Polygons go through the same coordinate transform as the
@@ -101,10 +103,10 @@ class DatasetMapper:
         visible = _area(boxes)
         keep = (visible > 0) & (visible >= self.min_visible * whole)
         labels = np.asarray(record["labels"], dtype=np.int64)
-        segmentations = record["segmentations"]
+        segmentations = record["segmentations"] if self.mask_on else []
         if not keep.all():  # a crop cut them: what is left of them is too little to be labelled
             boxes, labels = boxes[keep], labels[keep]
-            segmentations = [s for s, k in zip(segmentations, keep) if k]
+            segmentations = [s for s, k in zip(segmentations, keep) if k] if self.mask_on else []
         sample = {
             "image": torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1),  # a view: no transpose copy
             "image_id": int(record["image_id"]),

@@ -125,9 +125,13 @@ def build_trainer(cfg: CfgNode, *, resume: bool = False, unsafe: bool = False, w
 
 def build_test_model(cfg: CfgNode, *, weights: str = "", unsafe: bool = False) -> torch.nn.Module:
     """The model of ``cfg`` with ``weights`` (default: ``TEST.WEIGHTS``, else ``CKPT/model_final.pth``) loaded,
-    on ``DEVICE``, as tools/test_net.py evaluates it."""
+    on ``DEVICE``, as tools/test_net.py evaluates it.
+
+    Weights that leave part of the model at its initial values are a :class:`ConfigError` naming the part,
+    unless ``TEST.ALLOW_RANDOM_WEIGHTS`` (:func:`pet.utils.weights.load_weights` with ``for_inference``)."""
     model = prepare_model(build_model(cfg), cfg)
-    load_weights(model, weights or cfg.TEST.WEIGHTS or os.path.join(cfg.CKPT, "model_final.pth"), unsafe=unsafe)
+    load_weights(model, weights or cfg.TEST.WEIGHTS or os.path.join(cfg.CKPT, "model_final.pth"), unsafe=unsafe,
+                 for_inference=True, allow_random=cfg.TEST.ALLOW_RANDOM_WEIGHTS)
     if comm.is_main_process():
         log_model_summary(model, cfg)
     return model

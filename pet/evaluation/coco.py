@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -45,9 +46,15 @@ _RESULT_FIELD = {"bbox": "bbox", "segm": "segmentation"}
 class COCOEvaluator:
     """Box AP of a detector on a COCO-format dataset, and mask AP when its outputs have ``masks``.
 
-    ``dataset`` is anything with ``coco`` (pycocotools ground truth), ``class_names`` and
-    ``label_to_category_id`` — a loader's ``dataset`` or :func:`pet.data.get_dataset` —
-    or the registered name of a dataset.
+    ``dataset`` is anything with ``coco`` (pycocotools ground truth) and ``label_to_category_id``
+    (the model's labels -> category ids, see :class:`pet.data.LabelSpace`) — a loader's ``dataset``
+    or :func:`pet.data.get_dataset` — or the registered name of a dataset.
+
+    Scoring, per-class tables and diagnostics cover the categories of the ground truth, not the
+    model's labels: with ``MODEL.LABEL_SPACE category_id`` the model has rows for category ids the
+    dataset lacks (torchvision's COCO models: ten unused ids; a dataset with a subset of COCO's
+    classes: more). Detections of such rows are left out of the results (COCOeval would ignore
+    them anyway, so the AP is the same) and counted in the log.
 
     Use: ``reset()``, then ``process(targets, outputs)`` for every batch, then
     ``evaluate()``. Only the images seen by ``process`` are scored, so a partial run
@@ -93,6 +100,8 @@ class COCOEvaluator:
         self._predictions: dict[int, list[dict[str, Any]]] = {}
         # Set by the first output with masks: even a batch without detections tells what to score.
         self._with_masks = False
+        self._categories = _categories(self.dataset)
+        self._left_out: Counter[int] = Counter()  # category id the ground truth lacks -> detections left out
 
     @property
     def predictions(self) -> list[dict[str, Any]]:
@@ -101,7 +110,7 @@ class COCOEvaluator:
 
     def process(self, inputs: Any, outputs: Sequence[Mapping[str, Any]]) -> None:
         """Add one batch: ``outputs[i]`` holds boxes (XYXY, original image pixels), scores and
-        contiguous labels for the image of ``targets[i]``, and optionally ``masks`` (uint8
+        the model's labels for the image of ``targets[i]``, and optionally ``masks`` (uint8
         [N, H, W] 0/1 in the original image), which are kept as RLE.
 
         ``inputs`` is the loader's batch ``(images, targets)`` or just the ``targets`` list.
@@ -111,8 +120,14 @@ class COCOEvaluator:
         for target, output in zip(targets, outputs):
             image_id = int(target["image_id"])
             self._with_masks |= "masks" in output
-            if image_id not in self._predictions:  # an image seen twice (a replaced bad image) counts once
-                self._predictions[image_id] = detections_to_coco(output, image_id, self.dataset.label_to_category_id)
+            if image_id in self._predictions:  # an image seen twice (a replaced bad image) counts once
+                continue
+            kept = self._predictions[image_id] = []
+            for det in detections_to_coco(output, image_id, self.dataset.label_to_category_id):
+                if det["category_id"] in self._categories:
+                    kept.append(det)
+                else:
+                    self._left_out[det["category_id"]] += 1
 
     def evaluate(self) -> dict[str, dict[str, float]]:
         """``{"bbox": {"AP": .., "AP50": .., "AP75": .., "APs": .., "APm": .., "APl": .., "AP-<class>": ..}}``,
@@ -125,6 +140,10 @@ class COCOEvaluator:
         ``output_dir`` is set, and with ``diagnostics`` the files of
         :func:`pet.evaluation.diagnostics.write_diagnostics` beside them.
         """
+        if self._left_out:
+            logger.info(f"Left out {sum(self._left_out.values())} detections of category ids "
+                        f"{sorted(self._left_out)[:10]}, which dataset '{getattr(self.dataset, 'name', '?')}' "
+                        "does not have (the model has more classes than the dataset; COCOeval ignores them).")
         predictions = self._predictions
         if comm.get_world_size() > 1:
             predictions = {}
@@ -152,7 +171,7 @@ class COCOEvaluator:
                 metrics[iou_type].update(_voc_metrics(self.dataset, task_results, image_ids))
             if self.diagnostics and self.output_dir:
                 write_diagnostics(self.output_dir, iou_type, result, self.dataset.coco, task_results, image_ids,
-                                  self.dataset.class_names, _category_ids(self.dataset),
+                                  list(self._categories.values()), list(self._categories),
                                   self.diagnostics_iou, self.diagnostics_score)
         return metrics
 
@@ -217,7 +236,8 @@ def detections_to_coco(
         category_ids = [label_to_category_id[int(label)] for label in labels]
     except KeyError as exc:
         raise DataError(f"The model predicted label {exc.args[0]} for image {image_id}, but the dataset's labels "
-                        f"are {sorted(label_to_category_id)}; check MODEL.NUM_CLASSES.") from None
+                        f"are {min(label_to_category_id)}..{max(label_to_category_id)}; check MODEL.NUM_CLASSES."
+                        ) from None
     results = [
         {"image_id": image_id, "category_id": cid, "bbox": [round(float(v), 3) for v in box], "score": float(score)}
         for box, score, cid in zip(boxes, scores, category_ids)
@@ -267,9 +287,10 @@ def _cocoeval(
 
 
 def _metrics(result: COCOEvalResult, dataset: Any) -> dict[str, float]:
+    categories = _categories(dataset)
     metrics = {m: _percent(v) for m, v in zip(BOX_METRICS, result.stats[:6])}
-    metrics.update(_per_category_ap(result, dataset))
-    _log_tables(metrics, list(dataset.class_names), result.iou_type)
+    metrics.update(_per_category_ap(result, categories))
+    _log_tables(metrics, list(categories.values()), result.iou_type)
     return metrics
 
 
@@ -279,25 +300,27 @@ def _voc_metrics(dataset: Any, results: list[dict[str, Any]], image_ids: Sequenc
     if getattr(dataset, "format", "coco") != "voc":
         return {}
     aps = voc_evaluate(dataset.coco, results, image_ids)
-    per_class = [aps[cid] for cid in _category_ids(dataset)]
+    categories = _categories(dataset)
+    per_class = [aps[cid] for cid in categories]
     scored = [ap for ap in per_class if ap == ap]  # classes without ground truth (NaN) are left out, as in COCO
     mean = float(np.mean(scored) * 100) if scored else float("nan")
-    cells = [(name, f"{ap * 100:.2f}") for name, ap in zip(dataset.class_names, per_class)]
+    cells = [(name, f"{ap * 100:.2f}") for name, ap in zip(categories.values(), per_class)]
     logger.info(f"Pascal VOC mAP@0.5 (VOC2010+ all-point AP, difficult objects ignored): {mean:.2f}\n"
                 + _per_class_table(cells, "VOC AP50"))
     return {"VOC_AP50": mean}
 
 
-def _category_ids(dataset: Any) -> list[int]:
-    """The category id of each class index (label - 1)."""
-    return [dataset.label_to_category_id[label] for label in range(1, len(dataset.class_names) + 1)]
+def _categories(dataset: Any) -> dict[int, str]:
+    """The categories ``{id: name}`` of ``dataset``'s ground truth, by increasing id: what is scored."""
+    coco = dataset.coco
+    return {c["id"]: c["name"] for c in sorted(coco.loadCats(coco.getCatIds()), key=lambda c: c["id"])}
 
 
-def _per_category_ap(result: COCOEvalResult, dataset: Any) -> dict[str, float]:
+def _per_category_ap(result: COCOEvalResult, categories: Mapping[int, str]) -> dict[str, float]:
     # precision: [IoU thresholds, recall points, categories, area ranges, max dets]; area "all", 100 dets.
     cat_index = {cid: k for k, cid in enumerate(result.category_ids)}
     metrics = {}
-    for name, category_id in zip(dataset.class_names, _category_ids(dataset)):
+    for category_id, name in categories.items():
         p = result.precision[:, :, cat_index[category_id], 0, -1]
         p = p[p > -1]
         metrics[f"AP-{name}"] = float(p.mean() * 100) if p.size else float("nan")

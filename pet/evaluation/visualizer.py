@@ -42,7 +42,8 @@ class DetectionVisualizer(TestCallback):
         if not comm.is_main_process() or self.dataset is None or results is None:
             return
         coco = self.dataset.coco
-        names = {c["id"]: c["name"] for c in coco.loadCats(coco.getCatIds())}
+        space = self.dataset.label_space  # the model's classes, named as the model names them
+        names = dict(zip(space.category_ids, space.names))
         by_image: dict[int, list[dict[str, Any]]] = {}
         for det in results:
             if det["score"] >= self.score_thresh:

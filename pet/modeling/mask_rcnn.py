@@ -29,6 +29,7 @@ class MaskRCNN(FasterRCNN):
     """
 
     mask_on = True
+    class_dependent_prefixes = (*FasterRCNN.class_dependent_prefixes, "roi_heads.mask_predictor.mask_fcn_logits.")
 
     def __init__(self, cfg: CfgNode) -> None:
         if not cfg.MODEL.MASK_ON:

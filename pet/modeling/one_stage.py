@@ -60,6 +60,7 @@ class OneStageDetector:
     """
 
     normalizer: Normalizer
+    num_classes: int  # MODEL.NUM_CLASSES (the head has one more output, see _without_background)
     backbone: torch.nn.Module
     anchor_generator: AnchorGenerator
     head: torch.nn.Module
@@ -67,6 +68,9 @@ class OneStageDetector:
 
     # Used by the weight loaders to rename torchvision classification weights.
     convert_state_dict = staticmethod(convert_state_dict)
+    # state_dict prefixes of the parameters whose shapes follow MODEL.NUM_CLASSES: weights for another number
+    # of classes re-initialise them when fine-tuning (pet.utils.weights.load_weights).
+    class_dependent_prefixes: tuple[str, ...] = ("head.classification_head.cls_logits.",)
     # torchvision's FCOS.compute_loss also takes the number of anchors of each level (its size ranges are per
     # level); RetinaNet's does not.
     loss_takes_anchors_per_level = False
@@ -75,6 +79,7 @@ class OneStageDetector:
         """Called at the end of ``__init__``: torchvision's resizing transform goes (the data loader
         resizes), the :class:`Normalizer` normalises, and the weights go channels-last when asked."""
         del self.transform
+        self.num_classes = cfg.MODEL.NUM_CLASSES
         self.normalizer = Normalizer(cfg)
         if cfg.MODEL.CHANNELS_LAST:
             self.to(memory_format=torch.channels_last)  # type: ignore[attr-defined]

@@ -8,8 +8,17 @@ with a message that names it and the ``--unsafe-load`` opt-in.
 :func:`load_weights` loads initial weights into a model (not a resume). It accepts a Pet
 checkpoint (a dict with ``"model"``) or a plain ``state_dict``. A model translates foreign names
 (torchvision classification or detection weights) by defining
-``convert_state_dict(state_dict) -> state_dict``. Keys that do not fit are reported in
-one table grouped by module, not one line per tensor.
+``convert_state_dict(state_dict) -> state_dict``.
+
+What it does with weights that do not fit depends on what the model is loaded for:
+
+- training (the default): a class head of another number of classes (fine-tuning torchvision's COCO
+  weights on your own classes) is re-initialised with one info line; the model says which of its
+  parameters depend on the classes with a class attribute ``class_dependent_prefixes`` (state_dict key
+  prefixes). Any other key that does not fit is a warning, one table grouped by module.
+- ``for_inference`` (evaluation, export, prediction): a model evaluated with random parts gives
+  meaningless detections without any sign of failure, so any part left at its initial values (class
+  head included) is a :class:`ConfigError` naming it, unless ``allow_random`` (then the warning).
 """
 from __future__ import annotations
 
@@ -62,12 +71,15 @@ def _unreadable(path: str, exc: BaseException) -> ConfigError:
                        "truncated one: train again or download it again)")
 
 
-def load_weights(model: torch.nn.Module, path: str, *, unsafe: bool = False) -> dict[str, list[str]]:
+def load_weights(model: torch.nn.Module, path: str, *, unsafe: bool = False, for_inference: bool = False,
+                 allow_random: bool = False) -> dict[str, list[str]]:
     """Load the weights file ``path`` into ``model`` (initialisation, not a resume).
 
     Returns ``{"missing": [...], "unexpected": [...], "mismatched": [...]}``: keys of the
     model the file lacks, keys of the file the model lacks, and keys whose shapes differ
     (left at the model's values). ``num_batches_tracked`` buffers are never reported.
+    ``for_inference``: raise a :class:`ConfigError` naming the parts left at their initial values
+    (missing or mismatched keys), unless ``allow_random`` (module docstring).
     """
     checkpoint = load_checkpoint(path, unsafe=unsafe)
     state = checkpoint.get("model", checkpoint) if isinstance(checkpoint, dict) else None
@@ -88,19 +100,60 @@ def load_weights(model: torch.nn.Module, path: str, *, unsafe: bool = False) -> 
     }
     loaded = sum(1 for k in state if k in own and k not in mismatched)
     logger.info(f"Loaded {loaded} of the model's {len(own)} tensors from {path}")
-    if any(report.values()):
-        logger.warning(f"Weights in {path} that did not load:\n{_report_table(report, mismatched)}")
+    prefixes = tuple(getattr(model, "class_dependent_prefixes", ()))
+    class_head = [k for k in report["mismatched"] if prefixes and k.startswith(prefixes)]
+    num_classes = getattr(model, "num_classes", None)
+    if for_inference and (report["missing"] or report["mismatched"]) and not allow_random:
+        raise ConfigError(_random_parts_error(path, report, mismatched, class_head, num_classes))
+    to_warn = report
+    if class_head and not for_inference:
+        example = class_head[0]
+        logger.info(f"The class head ({', '.join(_modules(class_head))}) is re-initialised for "
+                    f"{f'{num_classes} classes' if num_classes is not None else 'this model'}: {path} holds it for "
+                    f"another number of classes ({example}: file {list(mismatched[example][0])}, model "
+                    f"{list(mismatched[example][1])}).")
+        to_warn = {**report, "mismatched": [k for k in report["mismatched"] if k not in class_head]}
+    if any(to_warn.values()):
+        logger.warning(f"Weights in {path} that did not load:\n{_report_table(to_warn, mismatched)}")
     return report
+
+
+def _random_parts_error(path: str, report: dict[str, list[str]], shapes: dict[str, tuple[tuple, tuple]],
+                        class_head: list[str], num_classes: int | None) -> str:
+    """One line: which parts ``path`` leaves at their initial values, and what to do."""
+    parts = [f"{group} ({len(keys)} tensors {status})" for status in ("missing", "mismatched")
+             for group, keys in _groups(report[status]).items()]
+    shown = ", ".join(parts[:6]) + (f" and {len(parts) - 6} more" if len(parts) > 6 else "")
+    hint = ""
+    if class_head:
+        key = class_head[0]
+        hint = (f" Its class head is for another number of classes ({key}: file {list(shapes[key][0])}, model "
+                f"{list(shapes[key][1])}; this model has MODEL.NUM_CLASSES {num_classes}): set MODEL.NUM_CLASSES "
+                "(and MODEL.LABEL_SPACE) as the file was trained, e.g. 90 and category_id for torchvision's COCO "
+                "weights, as the cfgs/coco configs ship.")
+    return (f"{path} leaves part of the model at its random initial values: {shown}; its detections would be "
+            f"meaningless.{hint} Point TEST.WEIGHTS (or --weights) at weights made for this config, or set "
+            "TEST.ALLOW_RANDOM_WEIGHTS True to go on anyway.")
+
+
+def _groups(keys: list[str]) -> OrderedDict[str, list[str]]:
+    """``keys`` by :func:`_group`, in order."""
+    groups: OrderedDict[str, list[str]] = OrderedDict()
+    for key in keys:
+        groups.setdefault(_group(key), []).append(key)
+    return groups
+
+
+def _modules(keys: list[str]) -> list[str]:
+    """The modules (key less its last part) of ``keys``, in order: ``["roi_heads.box_predictor.cls_score", ...]``."""
+    return list(dict.fromkeys(k.rpartition(".")[0] for k in keys))
 
 
 def _report_table(report: dict[str, list[str]], shapes: dict[str, tuple[tuple, tuple]]) -> str:
     """One row per (status, module) with a tensor count; shape mismatches show one example."""
     rows = []
     for status, keys in report.items():
-        groups: OrderedDict[str, list[str]] = OrderedDict()
-        for key in keys:
-            groups.setdefault(_group(key), []).append(key)
-        for group, members in groups.items():
+        for group, members in _groups(keys).items():
             row = [status, group, len(members)]
             if shapes:
                 example = members[0]
