@@ -128,6 +128,9 @@ _C.MODEL.BACKBONE.TYPE = "resnet_fpn"
 _C.MODEL.BACKBONE.NAME = "resnet50"
 # Normalisation in the backbone: "FrozenBN", "BN" or "SyncBN".
 _C.MODEL.BACKBONE.NORM = "FrozenBN"
+# FrozenBN's eps, added to the running variance. torchvision's released COCO weights of Faster R-CNN, Mask R-CNN
+# and RetinaNet (v1) were trained with 0, which its builders set when they load them: use 0.0 to evaluate those.
+_C.MODEL.BACKBONE.FROZEN_BN_EPS = 1e-5
 # Freeze the stem and the first FREEZE_AT-1 residual stages (0: train everything;
 # 2: stem and res2 frozen, as torchvision's trainable_backbone_layers=3). Frozen stages use FrozenBN.
 _C.MODEL.BACKBONE.FREEZE_AT = 2

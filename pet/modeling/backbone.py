@@ -7,6 +7,7 @@ detection weights load without renaming. Another neck on the same ResNet is anot
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -34,14 +35,18 @@ _STAGES = (("conv1", "bn1"), ("layer1",), ("layer2",), ("layer3",), ("layer4",))
 _TOP_BLOCKS = ("maxpool", "p6p7")
 
 
-def build_resnet(name: str, norm: str) -> tuple[torchvision.models.ResNet, list[int]]:
-    """A torchvision ResNet with random weights and the output channels of its four stages."""
+def build_resnet(name: str, norm: str, frozen_bn_eps: float = 1e-5) -> tuple[torchvision.models.ResNet, list[int]]:
+    """A torchvision ResNet with random weights and the output channels of its four stages.
+
+    ``frozen_bn_eps`` is FrozenBN's eps (``MODEL.BACKBONE.FROZEN_BN_EPS``); stages frozen later keep it.
+    """
     if name not in _RESNETS:
         raise ConfigError(f"MODEL.BACKBONE.NAME '{name}' is not one of {', '.join(_RESNETS)}")
     if norm not in _NORMS:
         raise ConfigError(f"MODEL.BACKBONE.NORM '{norm}' is not one of {', '.join(_NORMS)}")
     constructor, channels = _RESNETS[name]
-    model = constructor(weights=None, norm_layer=_NORMS[norm])
+    norm_layer = functools.partial(FrozenBatchNorm2d, eps=frozen_bn_eps) if norm == "FrozenBN" else _NORMS[norm]
+    model = constructor(weights=None, norm_layer=norm_layer)
     if norm == "SyncBN":
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     return model, channels
@@ -101,7 +106,8 @@ def resnet_fpn(cfg: CfgNode) -> BackboneWithFPN:
     Returns ``{"0": P2, "1": P3, ...}`` (``"pool"`` for the max-pooled P6, ``"p6"``/``"p7"``),
     exactly the outputs of torchvision's ``resnet_fpn_backbone``.
     """
-    resnet, channels = build_resnet(cfg.MODEL.BACKBONE.NAME, cfg.MODEL.BACKBONE.NORM)
+    resnet, channels = build_resnet(cfg.MODEL.BACKBONE.NAME, cfg.MODEL.BACKBONE.NORM,
+                                    cfg.MODEL.BACKBONE.FROZEN_BN_EPS)
     freeze_stages(resnet, cfg.MODEL.BACKBONE.FREEZE_AT)
     layers = list(cfg.MODEL.FPN.RETURNED_LAYERS)
     if not layers or sorted(set(layers)) != layers or not set(layers) <= {1, 2, 3, 4}:
