@@ -17,7 +17,7 @@ from torchvision.ops import FrozenBatchNorm2d
 
 from pet.config import load_cfg
 from pet.modeling import build_backbone, build_model
-from pet.modeling.backbone import build_resnet, freeze_stages
+from pet.modeling.backbone import build_resnet, freeze_stages, resnet10
 from pet.utils.errors import ConfigError
 from pet.utils.weights import load_weights
 
@@ -155,7 +155,8 @@ def test_resnet34_and_resnet101_backbones_are_torchvisions_resnets_under_the_fpn
 
 
 # The demo stops at ResNet-18's layer3; with all four stages every ImageNet tensor but fc has a place.
-ALL_FOUR_STAGES = ["MODEL.FPN.RETURNED_LAYERS", "[1, 2, 3, 4]",
+# The demo's backbone as ImageNet ResNet-18 weights fit it: resnet18, all four stages.
+ALL_FOUR_STAGES = ["MODEL.BACKBONE.NAME", "resnet18", "MODEL.FPN.RETURNED_LAYERS", "[1, 2, 3, 4]",
                    "MODEL.RPN.ANCHOR_SIZES", "[[16], [32], [64], [128], [256]]"]
 
 
@@ -332,3 +333,15 @@ def test_model_summary_without_a_size_or_with_an_untraceable_model_still_logs(ca
     with caplog.at_level(logging.INFO, logger="pet.utils.model_summary"):
         assert log_model_summary(NotADetector(), cfg)["params"] == 8
     assert "Could not count FLOPs of NotADetector: RuntimeError: needs real targets" in caplog.text
+
+
+def test_resnet10_is_resnet18_with_one_block_per_stage():
+    """The demo's backbone: ResNet-18's stem and stage widths, one BasicBlock per stage, no pre-trained weights."""
+    ten, channels = build_resnet("resnet10", "BN")
+    eighteen, _ = build_resnet("resnet18", "BN")
+    assert channels == [64, 128, 256, 512]
+    for stage in ("layer1", "layer2", "layer3", "layer4"):
+        assert len(getattr(ten, stage)) == 1
+        assert getattr(ten, stage)[0].state_dict().keys() == getattr(eighteen, stage)[0].state_dict().keys()
+    with pytest.raises(ConfigError, match="no pre-trained weights for resnet10"):
+        resnet10(weights="IMAGENET1K_V1")

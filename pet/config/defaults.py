@@ -124,7 +124,8 @@ _C.MODEL.FLOPS_INPUT_SIZE = ()
 _C.MODEL.BACKBONE = CN()
 # Registered backbone builder (pet.modeling.BACKBONE_REGISTRY): ResNet + FPN.
 _C.MODEL.BACKBONE.TYPE = "resnet_fpn"
-# torchvision ResNet: resnet18, resnet34, resnet50 or resnet101.
+# torchvision ResNet: resnet10 (one block per stage, for training from scratch), resnet18, resnet34, resnet50 or
+# resnet101.
 _C.MODEL.BACKBONE.NAME = "resnet50"
 # Normalisation in the backbone: "FrozenBN", "BN" or "SyncBN".
 _C.MODEL.BACKBONE.NORM = "FrozenBN"

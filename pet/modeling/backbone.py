@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torchvision
@@ -20,9 +21,18 @@ from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, LastLevelMaxP
 from pet.modeling.registry import BACKBONE_REGISTRY
 from pet.utils.errors import ConfigError
 
-__all__ = ["build_backbone", "build_resnet", "freeze_stages", "resnet_fpn", "num_fpn_levels", "fpn_strides"]
+__all__ = ["build_backbone", "build_resnet", "resnet10", "freeze_stages", "resnet_fpn", "num_fpn_levels", "fpn_strides"]
+
+def resnet10(*, weights: None = None, **kwargs: Any) -> torchvision.models.ResNet:
+    """torchvision's ResNet with one BasicBlock per stage (ResNet-18 has two): the same stem, stages and widths
+    at two thirds of the cost. There are no ImageNet weights for it; it is meant for training from scratch."""
+    if weights is not None:
+        raise ConfigError("There are no pre-trained weights for resnet10; train it from scratch (TRAIN.WEIGHTS '').")
+    return torchvision.models.ResNet(torchvision.models.resnet.BasicBlock, [1, 1, 1, 1], **kwargs)
+
 
 _RESNETS: dict[str, tuple[Callable[..., torchvision.models.ResNet], list[int]]] = {
+    "resnet10": (resnet10, [64, 128, 256, 512]),
     "resnet18": (torchvision.models.resnet18, [64, 128, 256, 512]),
     "resnet34": (torchvision.models.resnet34, [64, 128, 256, 512]),
     "resnet50": (torchvision.models.resnet50, [256, 512, 1024, 2048]),
