@@ -35,6 +35,8 @@ setup(
         "matplotlib>=3.5",
         "numpy",
         "PyYAML",
+        # tools/predict.py's progress bar (rate, ETA; off when stderr is not a terminal).
+        "tqdm>=4.61",
     ],
     extras_require=_EXTRAS,
 )

@@ -248,3 +248,24 @@ def assert_part_trains(
     assert set(out) == losses
     sum(out.values()).backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in part.parameters())
+
+
+class BlobDetector(torch.nn.Module):
+    """A real detector for trivial pictures, to test what surrounds a model: every 8-connected region of bright
+    pixels (some channel > 127) is one detection, its box the region's extent (pixel edges, as XYXY), its class
+    the region's brightest channel (red 1, green 2, blue 3), its score 0.9. It follows Pet's batch contract
+    (boxes mapped from ``image_size`` to ``orig_size``) and has no parameters."""
+
+    def forward(self, images: torch.Tensor, targets: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
+        outputs = []
+        for image, target in zip(images, targets):
+            (h, w), (orig_h, orig_w) = target["image_size"], target["orig_size"]
+            pixels = image[:, :h, :w].permute(1, 2, 0).numpy()
+            count, regions, stats, _ = cv2.connectedComponentsWithStats((pixels.max(axis=2) > 127).astype(np.uint8))
+            boxes = stats[1:, :4].astype(np.float32)
+            boxes[:, 2:] += boxes[:, :2]
+            boxes *= np.array([orig_w / w, orig_h / h, orig_w / w, orig_h / h], dtype=np.float32)
+            labels = [int(pixels[regions == k].mean(axis=0).argmax()) + 1 for k in range(1, count)]
+            outputs.append({"boxes": torch.from_numpy(boxes), "scores": torch.full((count - 1,), 0.9),
+                            "labels": torch.tensor(labels, dtype=torch.int64)})
+        return outputs

@@ -340,3 +340,28 @@ def test_an_operation_without_an_onnx_translation_is_named_with_the_module_calli
     message = str(error.value)
     assert message.startswith("Cannot export 1.0 (Doubler) to ONNX")
     assert "operation pet_export_test::double" in message and "test_export.py" in message
+
+
+def test_predict_runs_the_export_with_the_class_names_it_records(exports, shapes_root):
+    """tools/export.py records the label space (here the fallback: TEST.DATASETS[0]'s categories, as the weights
+    are a plain state_dict); the onnxruntime Predictor names its detections with it and gives the float32
+    PyTorch model's detections within the parity gate's tolerances."""
+    from pet.predict import Predictor
+
+    export = exports["faster_rcnn"]
+    metadata = {p.key: p.value for p in onnx.load(export.onnx_file).metadata_props}
+    assert [e["name"] for e in json.loads(metadata["pet.label_space"])] == ["circle", "rectangle", "triangle"]
+    cfg = load_cfg(export.cfg_file, [*export.opts, "DEVICE", "cpu", "TEST.AMP.ENABLED", "False"])
+    exported = Predictor(cfg, export.onnx_file, backend="onnxruntime")
+    pytorch = Predictor(cfg, model=export.model, label_space=exported.label_space)
+    pairs = list(zip(exported.stream(f"{shapes_root}/val", 2), pytorch.stream(f"{shapes_root}/val", 2)))
+    assert len(pairs) == 6 and sum(len(ref) for _, ref in pairs) > 0
+    for ours, ref in pairs:
+        assert len(ours) == len(ref) and ours.names == ref.names
+        tolerance = 1e-3 * max(ref.height, ref.width)
+        free = list(range(len(ours)))
+        for i in range(len(ref)):  # greedy pairing in score order: near-ties may swap places
+            match = next(j for j in free if ours.labels[j] == ref.labels[i]
+                         and abs(ours.scores[j] - ref.scores[i]) <= 1e-4
+                         and np.abs(ours.boxes[j] - ref.boxes[i]).max() <= tolerance)
+            free.remove(match)

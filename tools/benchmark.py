@@ -9,6 +9,8 @@
     python tools/benchmark.py onnx   [--arch demo faster_rcnn retinanet fcos mask_rcnn] [--size 800 1333] [--batch 1]
                                      [--threads N] [--iters 1] [--repeats 3] [--out FILE]
     python tools/benchmark.py coco-eval [--images 5000] [--classes 80] [--tasks bbox segm] [--repeats 3] [--out FILE]
+    python tools/benchmark.py predict [--part stream tiles video] [--images 2000] [--batch 8] [--scenes 3]
+                                      [--tile 256] [--tile-overlap 0.25] [--frames 320] [--vid-stride 2] [--out FILE]
 
 engine: Pet's Trainer overhead per iteration over a plain loop and MMEngine's Runner
 (tools/benchmarks/engine.py). train / infer: Pet's detectors against torchvision's on the same
@@ -17,6 +19,8 @@ training loader against PIL + torchvision.transforms.v2 (tools/benchmarks/data.p
 COCO evaluation with pycocotools against faster-coco-eval on a synthetic COCO-sized set
 (tools/benchmarks/coco_eval.py).
 onnx: Pet's PyTorch models against their ONNX exports in onnxruntime (tools/benchmarks/onnx.py).
+predict: tools/predict.py with the trained demo model: memory and images/s of a long stream against test_net,
+recall of tiled prediction on large generated scenes by merge, video frames/s (tools/benchmarks/predict.py).
 Every table starts with the machine's fingerprint, which the JSON keeps with the command.
 """
 from __future__ import annotations
@@ -31,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks import coco_eval, data, detectors, engine, onnx  # noqa: E402
+from benchmarks import coco_eval, data, detectors, engine, onnx, predict  # noqa: E402
 from benchmarks.common import fingerprint  # noqa: E402
 
 
@@ -52,6 +56,7 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/data.json")
     coco_eval.add_arguments(sub.add_parser("coco-eval", help="COCO evaluation: pycocotools against faster-coco-eval"))
     onnx.add_arguments(sub.add_parser("onnx", help="PyTorch inference against the ONNX export in onnxruntime"))
+    predict.add_arguments(sub.add_parser("predict", help="tools/predict.py: streams, tiles and video"))
     args = parser.parse_args()
     if args.command in ("train", "infer", "onnx"):
         torch.set_num_threads(args.threads)
@@ -59,7 +64,7 @@ def main() -> None:
         run = detectors.detectors
     else:
         run = {"engine": engine.engine, "data": data.data, "coco-eval": coco_eval.coco_eval,
-               "onnx": onnx.onnx_vs_pytorch}[args.command]
+               "onnx": onnx.onnx_vs_pytorch, "predict": predict.predict_benchmark}[args.command]
     machine = fingerprint()
     result = {"command": " ".join(sys.argv), "machine": machine, "date": time.strftime("%Y-%m-%d"),
               **run(args, machine)}

@@ -10,6 +10,7 @@ status 2. ``--check-only`` runs the gate on an existing ``--output`` file. Weigh
 TEST.WEIGHTS, else CKPT/model_final.pth. Default output: CKPT/model.onnx.
 """
 import argparse
+import json
 import logging
 import os
 import sys
@@ -25,8 +26,9 @@ from pet.deploy.onnxruntime_model import OnnxRuntimeModel  # noqa: E402
 from pet.deploy.parity import check_parity, parity_batches  # noqa: E402
 from pet.engine.defaults import launch_cli  # noqa: E402
 from pet.modeling import build_model  # noqa: E402
+from pet.predict.labels import ONNX_METADATA_KEY, label_space_from_checkpoint, model_label_space  # noqa: E402
 from pet.utils.logger import setup_logger  # noqa: E402
-from pet.utils.weights import load_weights  # noqa: E402
+from pet.utils.weights import load_checkpoint, load_weights  # noqa: E402
 
 logger = logging.getLogger("pet.tools.export")
 
@@ -47,15 +49,19 @@ def main() -> None:
     output = args.output or os.path.join(cfg.CKPT, "model.onnx")
 
     model = build_model(cfg)
-    load_weights(model, args.weights or cfg.TEST.WEIGHTS or os.path.join(cfg.CKPT, "model_final.pth"),
-                 unsafe=args.unsafe_load, for_inference=True, allow_random=cfg.TEST.ALLOW_RANDOM_WEIGHTS)
+    weights = args.weights or cfg.TEST.WEIGHTS or os.path.join(cfg.CKPT, "model_final.pth")
+    load_weights(model, weights, unsafe=args.unsafe_load, for_inference=True,
+                 allow_random=cfg.TEST.ALLOW_RANDOM_WEIGHTS)
     model.eval()
     batches = parity_batches(cfg)
     if not args.check_only:
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
         start = time.perf_counter()
+        # The class names travel with the model (tools/predict.py reads them back).
+        recorded = label_space_from_checkpoint(load_checkpoint(weights, unsafe=args.unsafe_load))
+        label_space = model_label_space(cfg, recorded, weights)
         with torch.no_grad():
-            export_onnx(model, batches[0], output)
+            export_onnx(model, batches[0], output, {ONNX_METADATA_KEY: json.dumps(label_space.to_list())})
         logger.info(f"Exported {type(model).__name__} to {output} ({os.path.getsize(output) / 2**20:.1f} MB) "
                     f"in {time.perf_counter() - start:.0f} s")
     report = check_parity(model, OnnxRuntimeModel(output), batches)

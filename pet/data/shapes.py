@@ -20,13 +20,13 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import cv2
 import numpy as np
 
-__all__ = ["SHAPE_CLASSES", "generate_shapes", "is_complete"]
+__all__ = ["SHAPE_CLASSES", "generate_shapes", "is_complete", "render_scene"]
 
 logger = logging.getLogger(__name__)
 
@@ -195,9 +195,11 @@ def _draw_shape(
 
 
 def _random_polygon(
-    rng: np.random.Generator, label: int, height: int, width: int, object_size: list[int]
+    rng: np.random.Generator, label: int, height: int, width: int, object_size: list[int],
+    center: tuple[float, float] | None = None,
 ) -> np.ndarray:
-    """Vertices (int32, 2 fractional bits for sub-pixel accuracy) of a shape fully inside the image."""
+    """Vertices (int32, 2 fractional bits for sub-pixel accuracy) of a shape fully inside the image, centred at
+    ``center`` (x, y; moved in as far as needed to fit) or at random."""
     size = rng.uniform(object_size[0], object_size[1])
     if SHAPE_CLASSES[label] == "circle":
         angles = np.linspace(0, 2 * np.pi, 48, endpoint=False)
@@ -213,8 +215,55 @@ def _random_polygon(
         points *= size / extent.max()
     points -= (points.max(axis=0) + points.min(axis=0)) / 2
     half = (points.max(axis=0) - points.min(axis=0)) / 2
-    centre = rng.uniform(half, np.array([width, height]) - half)
+    if center is None:
+        centre = rng.uniform(half, np.array([width, height]) - half)
+    else:
+        centre = np.clip(np.asarray(center, dtype=np.float64), half, np.array([width, height]) - half)
     return np.round((points + centre) * 4).astype(np.int32)
+
+
+def render_scene(
+    height: int,
+    width: int,
+    num_objects: int,
+    seed: int = 0,
+    *,
+    object_size: tuple[int, int] = (20, 100),
+    centers: Sequence[tuple[float, float]] = (),
+) -> tuple[np.ndarray, list[dict[str, Any]]]:
+    """A large picture in the style of the shapes set (for tiled prediction): the same backgrounds, shapes,
+    colours and noise, with ``num_objects`` objects of ``object_size`` px that do not touch one another.
+
+    ``centers`` (x, y) places the first objects (e.g. on tile seams); the others are placed at random. An
+    object that finds no free place in 50 tries is left out. Returns the BGR image and the objects, each
+    ``{"label": class index, "box": [x0, y0, x1, y1]}`` (pixel edges).
+    """
+    rng = np.random.default_rng([seed, 2])
+    image = _background(rng, height, width)
+    objects: list[dict[str, Any]] = []
+    taken: list[tuple[int, int, int, int]] = []
+    for i in range(num_objects):
+        for _attempt in range(50):
+            label = int(rng.integers(len(SHAPE_CLASSES)))
+            center = centers[i] if i < len(centers) else None
+            shape = _random_polygon(rng, label, height, width, list(object_size), center)
+            x0, y0 = (int(v) for v in shape.min(axis=0) // 4)
+            x1, y1 = (int(v) + 2 for v in shape.max(axis=0) // 4)
+            x1, y1 = min(x1, width), min(y1, height)
+            if all(x1 + 4 <= a0 or a1 + 4 <= x0 or y1 + 4 <= b0 or b1 + 4 <= y0 for a0, b0, a1, b1 in taken):
+                break
+        else:
+            continue
+        local = shape - np.array([x0, y0], dtype=np.int32) * 4
+        mask = np.zeros((y1 - y0, x1 - x0), np.uint8)
+        cv2.fillPoly(mask, [local], 1, lineType=cv2.LINE_8, shift=2)
+        window = image[y0:y1, x0:x1]  # a view: drawn in place
+        _draw_shape(rng, window, label, list(object_size), _contrasting_colour(rng, window, mask.astype(bool)), local)
+        bx, by, bw, bh = cv2.boundingRect(mask)
+        objects.append({"label": label, "box": [x0 + bx, y0 + by, x0 + bx + bw, y0 + by + bh]})
+        taken.append((x0, y0, x1, y1))
+    noise = rng.normal(0.0, rng.uniform(2.0, 12.0), image.shape).astype(np.float32)
+    return np.clip(image + noise, 0, 255).astype(np.uint8), objects
 
 
 def _background(rng: np.random.Generator, height: int, width: int) -> np.ndarray:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import onnx
@@ -48,12 +48,13 @@ class ExportError(PetError):
     """The model cannot be exported; the message names the operation and the module that calls it."""
 
 
-def export_onnx(model: torch.nn.Module, example: Batch, path: str) -> str:
+def export_onnx(model: torch.nn.Module, example: Batch, path: str, metadata: Mapping[str, str] | None = None) -> str:
     """Export ``model`` (a Pet FasterRCNN, MaskRCNN, RetinaNet or FCOS) to the ONNX file ``path``; returns ``path``.
 
     ``example`` is a batch as the test loader gives it (``(images, targets)``); its values do not matter, but
     every feature map of its images must be larger than 1x1 (the smallest size the graph then takes is
-    recorded in the file's metadata as ``pet.min_image_size``). The file is checked with ``onnx.checker``.
+    recorded in the file's metadata as ``pet.min_image_size``); ``metadata`` adds the caller's entries (tools/export.py
+    records the label space). The file is checked with ``onnx.checker``.
     An operation the exporter cannot handle is an :class:`ExportError` naming it and the module that calls it.
     """
     images, targets = example
@@ -72,6 +73,7 @@ def export_onnx(model: torch.nn.Module, example: Batch, path: str) -> str:
         "pet.architecture": type(model).__name__,
         "pet.min_image_size": str(min_size),
         "pet.boxes": "network input pixels; map them with pet.modeling.postprocess.detections_to_original",
+        **(metadata or {}),
     })
     onnx_program.save(path)
     onnx.checker.check_model(path, full_check=True)

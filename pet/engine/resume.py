@@ -1,7 +1,9 @@
 """The training state in a checkpoint: what is saved, how a run resumes from it.
 
 A checkpoint holds everything an exact resume needs: weights, optimizer, LR schedule,
-GradScaler, the iteration counter, RNG states and every stateful hook's ``state_dict``.
+GradScaler, the iteration counter, RNG states and every stateful hook's ``state_dict``; and, when
+the training data has one, the label space (``"label_space"``: :meth:`LabelSpace.to_list`), so that
+tools/predict.py and tools/export.py name the model's detections without the dataset.
 :class:`pet.engine.trainer.Trainer` exposes these as ``checkpoint_state``,
 ``save_checkpoint`` and ``resume_or_load``; hooks (CheckpointHook) call them there.
 """
@@ -11,6 +13,7 @@ import logging
 import os
 from typing import Any, Protocol
 
+from pet.data.categories import LabelSpace
 from pet.engine.checkpoint import (
     atomic_save,
     get_rng_state,
@@ -27,7 +30,8 @@ from pet.utils import comm
 from pet.utils.errors import ConfigError
 from pet.utils.weights import load_weights
 
-__all__ = ["checkpoint_state", "save_checkpoint", "load_training_state", "resume_or_load", "stateful_hooks"]
+__all__ = ["checkpoint_state", "training_label_space", "save_checkpoint", "load_training_state", "resume_or_load",
+           "stateful_hooks"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +78,20 @@ def checkpoint_state(trainer: ResumableTrainer) -> dict[str, Any]:
     }
     if step.grad_scaler is not None:
         state["grad_scaler"] = step.grad_scaler.state_dict()
+    label_space = training_label_space(getattr(trainer.data_loader, "dataset", None))
+    if label_space is not None:  # what the model's labels mean, so it can predict without its dataset
+        state["label_space"] = label_space.to_list()
     return state
+
+
+def training_label_space(dataset: Any) -> LabelSpace | None:
+    """The label space of the training set ``dataset`` (a loader's ``dataset``); None for data without one."""
+    if getattr(dataset, "label_space", None) is not None:
+        return dataset.label_space
+    ids, names = getattr(dataset, "label_to_category_id", None), getattr(dataset, "class_names", None)
+    if ids is None or names is None:
+        return None
+    return LabelSpace(tuple(int(ids[label]) for label in range(1, len(names) + 1)), tuple(names))
 
 
 def save_checkpoint(trainer: TrainerLike, filename: str, *, state: dict[str, Any] | None = None,

@@ -11,7 +11,7 @@ import torchvision
 
 from pet.engine.precision import cpu_class, cpu_has_native
 
-__all__ = ["interleaved", "fingerprint", "format_fingerprint"]
+__all__ = ["interleaved", "fingerprint", "format_fingerprint", "process_tree_rss"]
 
 
 def interleaved(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[Any]]:
@@ -54,3 +54,21 @@ def format_fingerprint(fp: dict[str, Any]) -> str:
             f"{fp['torch_cpu_capability']}"
             f"{emulated}, native bf16 {'yes' if fp['native_bfloat16'] else 'no'}, {fp['threads']} thread(s), "
             f"torch {fp['torch']}, torchvision {fp['torchvision']}")
+
+
+def process_tree_rss(pid: int | None = None) -> int:
+    """Resident memory (bytes) of process ``pid`` (default: this one) and all its descendants (DataLoader
+    workers), from /proc: what the machine holds for a run, workers included."""
+    pid = os.getpid() if pid is None else pid
+    total, pending = 0, [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            with open(f"/proc/{current}/status", encoding="utf-8") as f:
+                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children", encoding="utf-8") as f:
+                    pending += [int(child) for child in f.read().split()]
+        except (OSError, StopIteration):  # the process ended meanwhile
+            continue
+    return total

@@ -1,0 +1,69 @@
+"""What a trained model's labels mean when it is used without its dataset.
+
+Checkpoints record the training set's :class:`~pet.data.categories.LabelSpace` under ``"label_space"``
+(:func:`pet.engine.resume.checkpoint_state`) and ONNX exports under the metadata key
+``pet.label_space`` (tools/export.py). A file from before that has none: the label space is then taken
+from the config's first test dataset when its categories can be read, else the labels are numbered
+``class_<label>``; either way one warning says so.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fvcore.common.config import CfgNode
+
+from pet.data.catalog import dataset_categories, register_custom_datasets
+from pet.data.categories import LabelSpace
+from pet.utils.errors import ConfigError, PetError
+
+__all__ = ["CHECKPOINT_KEY", "ONNX_METADATA_KEY", "model_label_space", "label_space_from_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "label_space"
+ONNX_METADATA_KEY = "pet.label_space"
+
+
+def label_space_from_checkpoint(checkpoint: Any) -> list[dict[str, Any]] | None:
+    """The label space a loaded checkpoint records (:meth:`LabelSpace.to_list` entries), or None."""
+    return checkpoint.get(CHECKPOINT_KEY) if isinstance(checkpoint, Mapping) else None
+
+
+def model_label_space(cfg: CfgNode, recorded: Sequence[Mapping[str, Any]] | None, model_file: str) -> LabelSpace:
+    """The label space of the model in ``model_file``: the one it ``recorded``, else the fallback above.
+
+    A recorded label space must have ``MODEL.NUM_CLASSES`` labels (the rows of the class head).
+    """
+    num_classes = int(cfg.MODEL.NUM_CLASSES)
+    if recorded:
+        space = LabelSpace.from_list(recorded)
+        if space.num_classes != num_classes:
+            raise ConfigError(f"{model_file} was trained with {space.num_classes} classes but MODEL.NUM_CLASSES is "
+                              f"{num_classes}; set MODEL.NUM_CLASSES {space.num_classes} (the config it was trained "
+                              "with).")
+        return space
+    register_custom_datasets(cfg)
+    name = cfg.TEST.DATASETS[0] if cfg.TEST.DATASETS else None
+    space = _dataset_label_space(cfg, name) if name else None
+    if space is not None:
+        logger.warning(f"{model_file} records no class names (saved before models carried them): naming its "
+                       f"labels after the categories of TEST.DATASETS[0] '{name}'.")
+        return space
+    logger.warning(f"{model_file} records no class names (saved before models carried them), and no registered "
+                   f"TEST.DATASETS[0] with {num_classes} categories is there to name them: labels are numbered "
+                   f"class_1 .. class_{num_classes}.")
+    return LabelSpace(tuple(range(1, num_classes + 1)), tuple(f"class_{i}" for i in range(1, num_classes + 1)))
+
+
+def _dataset_label_space(cfg: CfgNode, name: str) -> LabelSpace | None:
+    """The label space (``MODEL.LABEL_SPACE``) of the registered dataset ``name``'s categories, or None when they
+    cannot be read without generating or downloading anything, or do not fit ``MODEL.NUM_CLASSES``."""
+    try:
+        categories = dataset_categories(name)
+        if cfg.MODEL.LABEL_SPACE == "contiguous" and len(categories) != cfg.MODEL.NUM_CLASSES:
+            return None
+        return LabelSpace.build(cfg.MODEL.LABEL_SPACE, categories, cfg.MODEL.NUM_CLASSES)
+    except (PetError, OSError):
+        return None

@@ -1,0 +1,362 @@
+"""Predicting on pictures without annotations (pet/predict, tools/predict.py).
+
+A folder predicts exactly test_net's detections; every output format is written, mirrored by sub-folder and
+named with the model's own class names; bad input is one line and exit status 2 before any work, and an
+unreadable picture in a folder is skipped; memory stays bounded over a long stream; tiles rebuild objects
+cut by seams once; a video comes out as an mp4 of the frames predicted; a killed run leaves only complete
+files; a model names its classes without its dataset.
+
+The real model is the demo config with random weights (seed 0) on the session's 6 generated validation
+images; what surrounds a model (loading, tiles, memory, video, files) is tested with ``BlobDetector``, an
+exact detector of bright regions, which makes the expected detections known.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import cv2
+import numpy as np
+import pytest
+import torch
+import yaml
+from helpers import DEMO_CFG, ROOT, BlobDetector, custom_datasets
+
+from pet.config import load_cfg
+from pet.data.categories import LabelSpace
+from pet.engine.inference import evaluate_on_datasets
+from pet.modeling import build_model
+from pet.predict import PredictionWriter, Predictor, Source
+from pet.predict.labels import model_label_space
+from pet.predict.tiling import TileSpec, greedy_nmm, merge_seams, tile_grid
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+from benchmarks.common import process_tree_rss  # noqa: E402
+
+SHAPES = LabelSpace((1, 2, 3), ("circle", "rectangle", "triangle"))
+RENAMED = LabelSpace((7, 8, 9), ("ring", "box", "wedge"))  # not the dataset's: proves the names come from the model
+BLOB_CLASSES = LabelSpace((1, 2, 3), ("red", "green", "blue"))
+
+
+@dataclass
+class Demo:
+    opts: list[str]  # the val set as TEST.DATASETS, cheap FLOPs summary, CKPT
+    weights: str  # records the dataset's label space
+    renamed: str  # records RENAMED
+    bare: str  # a plain state_dict: no label space
+    val_json: str
+    val_dir: str
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory, shapes_root) -> Demo:
+    root = tmp_path_factory.mktemp("predict")
+    val_json, val_dir = f"{shapes_root}/annotations/val.json", f"{shapes_root}/val"
+    opts = ["DEVICE", "cpu", "CKPT", str(root / "ckpt"), "MODEL.FLOPS_INPUT_SIZE", "(64, 64)",
+            "DATA.CUSTOM", custom_datasets(("predict_val", val_json, val_dir)), "TEST.DATASETS", "('predict_val',)",
+            "TEST.DIAGNOSTICS.ENABLED", "False", "TEST.NUM_WARMUP", "1"]
+    torch.manual_seed(0)
+    state = build_model(load_cfg(DEMO_CFG, opts)).state_dict()
+    paths = {name: str(root / f"{name}.pth") for name in ("weights", "renamed", "bare")}
+    torch.save({"model": state, "label_space": SHAPES.to_list()}, paths["weights"])
+    torch.save({"model": state, "label_space": RENAMED.to_list()}, paths["renamed"])
+    torch.save(state, paths["bare"])
+    return Demo(opts, paths["weights"], paths["renamed"], paths["bare"], val_json, val_dir)
+
+
+def blob_predictor(**kwargs) -> Predictor:
+    cfg = load_cfg(DEMO_CFG, ["DEVICE", "cpu", "TEST.NUM_WARMUP", "0"])
+    return Predictor(cfg, model=BlobDetector(), label_space=BLOB_CLASSES, **kwargs)
+
+
+def write_scene(path: str, size: tuple[int, int], boxes: list[tuple[int, int, int, int]], channel: int = 0) -> None:
+    """A black picture of ``size`` (h, w) with a filled rectangle per box (x0, y0, x1, y1) in ``channel`` (RGB)."""
+    image = np.zeros((*size, 3), np.uint8)
+    for x0, y0, x1, y1 in boxes:
+        image[y0:y1, x0:x1, 2 - channel] = 255  # BGR on disk
+    cv2.imwrite(path, image)
+
+
+def run_predict(*args: object, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "predict.py"), *map(str, args)],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"}, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"predict.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+# ------------------------------------------------------------------------------------------ exactness
+def test_a_folder_gives_exactly_test_nets_detections_at_its_batch_size(demo, tmp_path):
+    """Same model, precision (TEST.AMP auto), transform and padded batches of 4 (6 images: 4 + 2) as test_net."""
+    cfg = load_cfg(DEMO_CFG, [*demo.opts, "TEST.WEIGHTS", demo.weights, "TEST.IMS_PER_BATCH", "4"])
+    predictor = Predictor(cfg)
+    evaluate_on_datasets(cfg, predictor.model, str(tmp_path / "test"))
+    source = Source(demo.val_dir)
+    with PredictionWriter(str(tmp_path / "predict"), ["coco"], predictor.label_space, source,
+                          ann=demo.val_json) as writer:
+        for detections in predictor.stream(source):
+            writer.write(detections)
+    with open(tmp_path / "test" / "bbox.json") as f:
+        expected = json.load(f)
+    with open(tmp_path / "predict" / "predictions.json") as f:
+        predicted = json.load(f)
+    assert len(expected) > 100 and predicted == expected
+    assert predictor.stats.pictures == 6 and predictor.stats.detections == len(expected)
+
+
+# ------------------------------------------------------------------------------------------ the command line
+def test_every_format_mirrors_sub_folders_names_classes_from_the_model_and_skips_a_broken_image(demo, tmp_path):
+    images = tmp_path / "in"
+    for folder, names in (("a", ["000001", "000002"]), ("b", ["000001"])):
+        (images / folder).mkdir(parents=True)
+        for i, name in enumerate(names):
+            shutil.copy(f"{demo.val_dir}/00000{i + 1 if folder == 'a' else 3}.jpg", images / folder / f"{name}.jpg")
+    (images / "b" / "broken.jpg").write_bytes(b"not a jpeg")
+    out = tmp_path / "out"
+    run = run_predict("--cfg", DEMO_CFG, "--input", images, "--output", out, "--save", "csv,coco,json,yolo,vis,crops",
+                      "--batch", "2", "--score-thresh", "0.3", *demo.opts, "TEST.WEIGHTS", demo.renamed)
+    assert f"Skipped {images}/b/broken.jpg: Cannot decode image" in run.stdout
+    assert "Predicted 3 pictures, 1 unreadable skipped" in run.stdout
+    assert "it/s" not in run.stderr and "img/s" not in run.stderr  # no progress bar when stderr is not a terminal
+
+    with open(out / "predictions.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["image", "xmin", "ymin", "xmax", "ymax", "score", "label", "name"]
+    assert {r["image"] for r in rows} == {f"{images}/a/000001.jpg", f"{images}/a/000002.jpg", f"{images}/b/000001.jpg"}
+    assert min(float(r["score"]) for r in rows) >= 0.3
+    assert {(int(r["label"]), r["name"]) for r in rows} <= set(zip(RENAMED.category_ids, RENAMED.names))
+
+    with open(out / "predictions_images.json") as f:
+        table = json.load(f)
+    assert [(i["id"], i["file_name"]) for i in table["images"]] == [(1, "a/000001.jpg"), (2, "a/000002.jpg"),
+                                                                    (3, "b/000001.jpg")]
+    with open(out / "predictions.json") as f:
+        results = json.load(f)
+    assert len(results) == len(rows) and {r["category_id"] for r in results} <= {7, 8, 9}
+
+    per_image = {}
+    for name in ("a/000001", "a/000002", "b/000001"):
+        with open(out / "json" / f"{name}.json") as f:
+            per_image[name] = json.load(f)
+        assert per_image[name]["image"] == f"{images}/{name}.jpg"
+        lines = (out / "labels" / f"{name}.txt").read_text().splitlines()
+        assert len(lines) == len(per_image[name]["detections"])
+        for line in lines:
+            cls, *coords, conf = line.split()
+            assert int(cls) in (0, 1, 2) and all(0 <= float(v) <= 1 for v in coords) and float(conf) >= 0.3
+        drawn = cv2.imread(str(out / "vis" / f"{name}.jpg"))
+        assert drawn.shape == cv2.imread(str(images / f"{name}.jpg")).shape
+    assert sum(len(p["detections"]) for p in per_image.values()) == len(rows)
+    assert yaml.safe_load((out / "data.yaml").read_text())["names"] == {0: "ring", 1: "box", 2: "wedge"}
+    crops = sorted(str(p.relative_to(out / "crops")) for p in (out / "crops").rglob("*.jpg"))
+    assert len(crops) == len(rows) and all(c.split("/")[0] in RENAMED.names for c in crops)
+    first = per_image["a/000001"]["detections"][0]
+    assert f"{first['name']}/a/000001_0.jpg" in crops
+
+
+def test_bad_input_is_one_line_and_exit_status_2_before_any_work(demo, tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "broken.mp4").write_bytes(b"\x00" * 1000)
+    (tmp_path / "a_file").write_text("")
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    shutil.copy(f"{demo.val_dir}/000001.jpg", mixed / "a.jpg")
+    (mixed / "b.jpg").write_bytes(b"")
+    weights = ["TEST.WEIGHTS", demo.weights]
+    cases = {  # input, output, extra opts -> the start of the one line
+        "missing": (tmp_path / "nope", tmp_path / "o1", [], f"Error: Input {tmp_path}/nope does not exist"),
+        "empty folder": (tmp_path / "empty", tmp_path / "o2", [], f"Error: Input folder {tmp_path}/empty is empty."),
+        "video": (tmp_path / "broken.mp4", tmp_path / "o3", [], f"Error: Cannot read video {tmp_path}/broken.mp4"),
+        "output": (mixed, tmp_path / "a_file" / "out", [],
+                   f"Error: Cannot write to the output folder {tmp_path}/a_file/out"),
+        "bad image, error": (mixed, tmp_path / "o5", ["DATA.ON_BAD_IMAGE", "error"],
+                             f"Error: Cannot decode image {mixed}/b.jpg: the file is empty"),
+    }
+    procs = {name: subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "tools", "predict.py"), "--cfg", DEMO_CFG, "--input", str(src),
+         "--output", str(out), *demo.opts, *weights, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) for name, (src, out, extra, _) in cases.items()}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=600)
+        lines = stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(cases[name][3]), (name, stderr)
+        if name != "bad image, error":  # found before the model is even loaded
+            assert "Loaded" not in stdout and not os.path.exists(cases[name][1] / "predictions.csv"), name
+    assert not (tmp_path / "o5" / "predictions.csv").exists()  # a stopped run leaves no partial CSV
+
+
+# ------------------------------------------------------------------------------------------ tiles
+def test_tiles_cover_the_picture_with_full_size_tiles():
+    tiles = tile_grid(700, 1000, 256, 192)
+    assert sorted({int(x) for x in tiles[:, 0]}) == [0, 192, 384, 576, 744]
+    assert sorted({int(y) for y in tiles[:, 1]}) == [0, 192, 384, 444]
+    assert ((tiles[:, 2] - tiles[:, 0]) == 256).all() and ((tiles[:, 3] - tiles[:, 1]) == 256).all()
+    assert tile_grid(100, 80, 256, 192).tolist() == [[0, 0, 80, 100]]
+    assert TileSpec(256, 0.25).stride == 192
+
+
+# Rectangles (x0, y0, x1, y1) on a 700x1000 picture cut into 256 px tiles overlapping by 64 px (seams at
+# x = 192, 256, 384, 448, 576, 640, 744, 832; y = 192, 256, 384, 444, 448, 640): inside one tile; whole in one
+# tile with an 8 px sliver in the next; across a seam but inside the overlap; larger than the overlap across one
+# seam; across four tiles at a corner; over three tiles in a row; on the last, shifted column.
+SCENE = [(20, 20, 60, 50), (136, 40, 200, 80), (200, 100, 240, 130), (150, 300, 300, 360), (170, 170, 230, 230),
+         (350, 520, 800, 560), (560, 180, 610, 400), (700, 420, 990, 470), (900, 40, 950, 90)]
+
+
+def test_tiles_report_every_object_once_whole_including_those_larger_than_the_overlap(tmp_path):
+    for channel in range(3):
+        write_scene(str(tmp_path / f"scene{channel}.png"), (700, 1000), SCENE, channel)
+    predictor = blob_predictor(tile=256, tile_overlap=0.25)
+    results = list(predictor.stream(str(tmp_path), batch_size=4))
+    assert len(results) == 3
+    for channel, detections in enumerate(results):
+        assert sorted(detections.boxes.round().astype(int).tolist()) == sorted(map(list, SCENE))
+        assert set(detections.labels.tolist()) == {channel + 1}
+    # The whole-image pass adds the same objects, seen whole: still once each.
+    whole = blob_predictor(tile=256, tile_overlap=0.25, tile_whole_image=True)(str(tmp_path / "scene0.png"))
+    assert sorted(whole.boxes.round().astype(int).tolist()) == sorted(map(list, SCENE))
+
+
+def test_the_seam_merge_keeps_neighbours_apart_where_greedy_merging_joins_them():
+    """Two objects of one class side by side, B inside A's box; both whole in tile 0, B whole in tile 1 too, A cut
+    by tile 1's left edge."""
+    tiles = torch.tensor([[0, 0, 256, 256], [192, 0, 448, 256]])
+    boxes = torch.tensor([[150.0, 50, 250, 150], [200.0, 60, 240, 140], [200.0, 61, 240, 141], [192.0, 50, 250, 150]])
+    scores, labels = torch.tensor([0.9, 0.8, 0.85, 0.7]), torch.tensor([1, 1, 1, 1])
+    merged, _, _ = merge_seams(boxes, scores, labels, torch.tensor([0, 0, 1, 1]), tiles, (256, 448))
+    assert sorted(merged.tolist()) == [[150, 50, 250, 150], [200, 61, 240, 141]]
+    greedy, _, _ = greedy_nmm(boxes, scores, labels)
+    assert len(greedy) == 1  # SAHI's merge: B disappears into A
+
+
+def test_pieces_of_an_object_no_tile_saw_whole_are_joined_whatever_class_each_was_given():
+    """An object 150 px wide across a 64 px overlap: tile 0 sees its left part as class 1, tile 1 its right part as
+    class 2; a doubtful large box of tile 1 (score 0.05) holding the right part does not swallow it."""
+    tiles = torch.tensor([[0, 0, 256, 256], [192, 0, 448, 256]])
+    boxes = torch.tensor([[150.0, 50, 256, 150], [192.0, 52, 300, 149], [200.0, 10, 440, 250]])
+    scores, labels = torch.tensor([0.9, 0.6, 0.05]), torch.tensor([1, 2, 3])
+    merged, merged_scores, merged_labels = merge_seams(boxes, scores, labels, torch.tensor([0, 1, 1]), tiles,
+                                                       (256, 448))
+    assert merged.tolist() == [[150, 50, 300, 150], [200, 10, 440, 250]]
+    assert merged_labels.tolist() == [1, 3] and merged_scores.tolist() == pytest.approx([0.9, 0.05])
+
+
+# ------------------------------------------------------------------------------------------ streams
+def test_a_long_stream_holds_bounded_memory_with_its_decoding_workers(tmp_path):
+    for i in range(300):
+        write_scene(str(tmp_path / f"{i:04d}.jpg"), (256, 256), [(20 + i % 100, 30, 120, 90 + i % 50)])
+    predictor = blob_predictor()
+    rss = {}
+    for count, detections in enumerate(predictor.stream(str(tmp_path), batch_size=8, with_images=True,
+                                                        num_workers=1), 1):
+        assert len(detections) == 1 and detections.image.shape == (256, 256, 3)
+        if count in (100, 300):
+            rss[count] = process_tree_rss()
+    # Keeping each picture would add 200 x 192 KB = 38 MB (measured: +0.05 MB as it is, +37 MB keeping them).
+    assert count == 300 and rss[300] - rss[100] < 15 * 2**20, {k: v / 2**20 for k, v in rss.items()}
+
+
+def test_a_video_gives_every_nth_frame_and_an_mp4_of_them(tmp_path):
+    path = str(tmp_path / "in" / "clip.mp4")
+    os.makedirs(os.path.dirname(path))
+    video = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), 10.0, (96, 64))
+    for k in range(31):
+        frame = np.zeros((64, 96, 3), np.uint8)
+        frame[20:40, 2 * k:2 * k + 20] = 255
+        video.write(frame)
+    video.release()
+    source = Source(str(tmp_path / "in"))
+    assert source.num_pictures(vid_stride=4) == 8
+    predictor = blob_predictor()
+    out = tmp_path / "out"
+    with PredictionWriter(str(out), ["json", "vis", "csv"], BLOB_CLASSES, source, vid_stride=4) as writer:
+        for detections in predictor.stream(source, batch_size=3, vid_stride=4, with_images=True):
+            writer.write(detections)
+    assert sorted(os.listdir(out / "json")) == sorted(f"clip_{k}.json" for k in range(0, 31, 4))
+    with open(out / "json" / "clip_8.json") as f:
+        record = json.load(f)
+    assert record["frame"] == 8 and record["detections"][0]["box"] == pytest.approx([16, 20, 36, 40], abs=2)
+    capture = cv2.VideoCapture(str(out / "vis" / "clip.mp4"))
+    decoded = 0
+    while capture.read()[0]:
+        decoded += 1
+    assert decoded == math.ceil(31 / 4)
+    with open(out / "predictions.csv") as f:
+        assert f"{path}#28," in f.read()
+
+
+_KILLED_RUN = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from helpers import DEMO_CFG, BlobDetector
+from pet.config import load_cfg
+from pet.data.categories import LabelSpace
+from pet.predict import Predictor, PredictionWriter, Source
+cfg = load_cfg(DEMO_CFG, ["DEVICE", "cpu"])
+predictor = Predictor(cfg, model=BlobDetector(), label_space=LabelSpace((1, 2, 3), ("r", "g", "b")))
+source = Source({src!r})
+with PredictionWriter({out!r}, ["csv", "coco", "json", "yolo", "vis"], predictor.label_space, source) as writer:
+    for count, detections in enumerate(predictor.stream(source, batch_size=2, with_images=True, num_workers=0), 1):
+        writer.write(detections)
+        if count == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_run_killed_half_way_leaves_only_complete_files(tmp_path):
+    for i in range(10):
+        write_scene(str(tmp_path / f"{i}.png"), (64, 64), [(10, 10, 30 + i, 40)])
+    out = tmp_path / "out"
+    code = _KILLED_RUN.format(tests=os.path.join(ROOT, "tests"), src=str(tmp_path), out=str(out))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    files = [p for p in out.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    assert {p.name for p in files} >= {"0.json", "4.json", "0.txt", "4.png", "data.yaml"}
+    assert not (out / "predictions.csv").exists() and not (out / "predictions.json").exists()
+    for p in files:
+        if p.suffix == ".json":
+            assert json.loads(p.read_text())["detections"]
+        elif p.suffix == ".png":
+            assert cv2.imread(str(p)).shape == (64, 64, 3)
+        elif p.suffix == ".txt":
+            assert len(p.read_text().split()) == 6
+
+
+# ------------------------------------------------------------------------------------------ class names
+def test_a_model_without_a_label_space_falls_back_to_its_test_set_then_to_numbers_with_one_warning(demo, caplog):
+    cfg = load_cfg(DEMO_CFG, demo.opts)
+    assert model_label_space(cfg, RENAMED.to_list(), "m.pth") == RENAMED and not caplog.records
+    assert model_label_space(cfg, None, "m.pth") == SHAPES
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "TEST.DATASETS[0] 'predict_val'" in caplog.text
+    caplog.clear()
+    unregistered = load_cfg(DEMO_CFG, ["TEST.DATASETS", "('nowhere',)"])
+    numbered = model_label_space(unregistered, None, "m.pth")
+    assert numbered.names == ("class_1", "class_2", "class_3") and numbered.category_ids == (1, 2, 3)
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "class_1 .. class_3" in caplog.text
+
+
+def test_the_checkpoint_of_a_training_run_records_its_label_space(make_cfg):
+    from pet.engine.resume import training_label_space
+
+    class Dataset:
+        class_names = ["cat", "dog"]
+        label_to_category_id = {1: 17, 2: 18}
+
+    class Loader(list):
+        dataset = Dataset()
+
+    from conftest import toy_trainer
+
+    trainer = toy_trainer(make_cfg())
+    assert "label_space" not in trainer.checkpoint_state()  # a toy loader has no classes
+    trainer.data_loader = Loader()
+    assert trainer.checkpoint_state()["label_space"] == [{"label": 1, "id": 17, "name": "cat"},
+                                                         {"label": 2, "id": 18, "name": "dog"}]
+    assert training_label_space(Dataset()) == LabelSpace((17, 18), ("cat", "dog"))

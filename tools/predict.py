@@ -1,0 +1,146 @@
+"""Predict with a trained detector: python tools/predict.py --cfg FILE --input SRC [--output DIR]
+[--save csv,coco,json,yolo,vis,crops] [--batch N] [--tile SIZE --tile-overlap F] [--max-det N]
+[--score-thresh T] [--vis-thresh T] [--vid-stride N] [--ann COCO_JSON] [--backend onnxruntime --model FILE]
+[KEY VALUE ...]
+
+SRC: an image, a folder (recursive), a glob, a text file of paths, or a video. Weights as in test_net
+(TEST.WEIGHTS, else CKPT/model_final.pth). Output: --output, default CKPT/predict/ (the files are listed
+in pet/predict/writers.py and the README). An unreadable image is skipped and counted (DATA.ON_BAD_IMAGE
+error on the command line stops instead); a missing input, an empty folder, an unreadable video or an
+unwritable output folder is one line and exit status 2, before any work.
+"""
+import argparse
+import datetime
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tqdm import tqdm  # noqa: E402
+from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: E402
+
+from pet.engine.defaults import default_argument_parser, default_setup, launch_cli  # noqa: E402
+from pet.predict import PREDICT_DEFAULTS, PredictionWriter, Predictor, PredictStats, Source  # noqa: E402
+from pet.predict.writers import check_writable, parse_formats  # noqa: E402
+from pet.utils.errors import ConfigError, DataError  # noqa: E402
+from pet.utils.logger import setup_logger  # noqa: E402
+
+logger = logging.getLogger("pet.tools.predict")
+
+# Where each built-in detector keeps its test score threshold (--score-thresh below it lowers it).
+_SCORE_KEYS = {"FasterRCNN": "ROI_HEADS", "MaskRCNN": "ROI_HEADS", "RetinaNet": "RETINANET", "FCOS": "FCOS"}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = default_argument_parser("Predict with a trained detector")
+    parser.add_argument("--input", required=True, metavar="SRC",
+                        help="an image, a folder (recursive), a glob, a text file of paths, or a video")
+    parser.add_argument("--output", default="", metavar="DIR", help="where to write (default: CKPT/predict)")
+    parser.add_argument("--save", default="csv,coco,vis", metavar="LIST",
+                        help="comma-separated outputs among csv, coco, json, yolo, vis, crops (default: csv,coco,vis)")
+    parser.add_argument("--batch", type=int, default=0, metavar="N",
+                        help="pictures (or tiles) per forward pass (default: TEST.IMS_PER_BATCH)")
+    parser.add_argument("--tile", type=int, default=0, metavar="SIZE", help="predict by tiles of SIZE px (0: off)")
+    parser.add_argument("--tile-overlap", type=float, default=0.2, metavar="F",
+                        help="overlap of neighbouring tiles, a fraction of SIZE (default 0.2)")
+    parser.add_argument("--tile-whole-image", action="store_true",
+                        help="with --tile, also predict on the whole picture (at the test size) and merge it in")
+    parser.add_argument("--max-det", type=int, default=None, metavar="N",
+                        help="keep the N best detections per picture (default: the model's cap; 1000 with --tile)")
+    parser.add_argument("--score-thresh", type=float, default=None, metavar="T",
+                        help="drop detections scoring below T in every output (default: the config's test "
+                             "threshold, so the defaults reproduce test_net's detections)")
+    parser.add_argument("--vis-thresh", type=float, default=0.5, metavar="T",
+                        help="draw only detections scoring T or more in vis (default 0.5)")
+    parser.add_argument("--vid-stride", type=int, default=1, metavar="N", help="predict every N-th video frame")
+    parser.add_argument("--ann", default="", metavar="COCO_JSON",
+                        help="take predictions.json's image ids from this COCO file, by file name")
+    parser.add_argument("--backend", choices=("pytorch", "onnxruntime"), default="pytorch",
+                        help="run the PyTorch model, or an ONNX export of it in onnxruntime (needs --model)")
+    parser.add_argument("--model", default="", metavar="FILE", help="the ONNX file for --backend onnxruntime")
+    return parser.parse_args()
+
+
+def config_opts(args: argparse.Namespace) -> list[str]:
+    """The command line's config overrides, after predict's own defaults (skip unreadable pictures)."""
+    opts = [*PREDICT_DEFAULTS, *args.opts]
+    if args.backend == "onnxruntime":
+        opts += ["TEST.AMP.ENABLED", "False"]  # onnxruntime computes in float32; the log then says so too
+    return opts
+
+
+def lower_score_threshold(cfg, threshold: float | None) -> None:
+    """Make the model keep detections down to ``threshold`` when that is below its own test threshold."""
+    node = _SCORE_KEYS.get(cfg.MODEL.META_ARCHITECTURE)
+    if threshold is None or node is None or threshold >= cfg.MODEL[node].SCORE_THRESH_TEST:
+        return
+    logger.info(f"--score-thresh {threshold} is below MODEL.{node}.SCORE_THRESH_TEST "
+                f"{cfg.MODEL[node].SCORE_THRESH_TEST}: lowering that too")
+    cfg.defrost()
+    cfg.MODEL[node].SCORE_THRESH_TEST = threshold
+    cfg.freeze()
+
+
+def summarize(stats: PredictStats, output: str, formats: list[str]) -> None:
+    """The closing summary: pictures, detections, time per picture by stage (as test_net prints it)."""
+    if stats.pictures == 0:
+        examples = ", ".join(stats.skipped_examples)
+        raise DataError(f"No picture could be read ({stats.skipped} skipped, e.g. {examples}).")
+    summary = stats.timer.speed_summary()
+    stages = " + ".join(f"{label} {summary[name]['mean_ms']:.1f}" for name, label in
+                        (("data", "load"), ("infer", "infer"), ("post", "post"), ("output", "save")) if name in summary)
+    timed = (f"per picture after {stats.timer.num_warmup} warm-up batches: {stages} ms" if stages
+             else f"too few batches to time after {stats.timer.num_warmup} warm-up batches")
+    skipped = ""
+    if stats.skipped:
+        skipped = f", {stats.skipped} unreadable skipped (e.g. {', '.join(stats.skipped_examples)})"
+    logger.info(f"Predicted {stats.pictures} pictures{skipped}: {stats.detections} detections, {stats.seconds:.1f} s "
+                f"({stats.pictures_per_second:.2f} pictures/s overall); {timed}")
+    if stages:
+        stats.timer.log_summary()
+    logger.info(f"Wrote {', '.join(formats)} to {output}")
+
+
+def main() -> None:
+    args = parse_args()
+    if args.backend == "pytorch" and args.model:
+        raise ConfigError("--model names the ONNX file of --backend onnxruntime; the PyTorch model's weights come "
+                          "from TEST.WEIGHTS.")
+    if args.backend == "onnxruntime" and not args.model:
+        raise ConfigError("--backend onnxruntime needs --model FILE, an ONNX file written by tools/export.py.")
+    formats = parse_formats(args.save)
+    if args.ann and not os.path.isfile(args.ann):
+        raise DataError(f"--ann {args.ann} does not exist.")
+    cfg = default_setup(args.cfg_file, config_opts(args), args.local_rank)
+    output = args.output or os.path.join(cfg.CKPT, "predict")
+    check_writable(output)
+    setup_logger(output)
+    source = Source(args.input, exclude=output)
+    lower_score_threshold(cfg, args.score_thresh)
+
+    predictor = Predictor(cfg, args.model or None, backend=args.backend, score_thresh=args.score_thresh,
+                          max_det=args.max_det, tile=args.tile, tile_overlap=args.tile_overlap,
+                          tile_whole_image=args.tile_whole_image, unsafe_load=args.unsafe_load)
+    writer = PredictionWriter(output, formats, predictor.label_space, source, vis_thresh=args.vis_thresh,
+                              ann=args.ann or None, vid_stride=args.vid_stride)
+    total = source.num_pictures(args.vid_stride)
+    unit = "frame" if source.is_video.all() else "img"
+    logger.info(f"Predicting on {args.input}: {total} {unit}s, writing {', '.join(formats)} to {output}")
+    pictures = predictor.stream(source, args.batch or None, vid_stride=args.vid_stride,
+                                with_images=writer.needs_images)
+    log_every = max(1, cfg.TEST.LOG_PERIOD * (args.batch or cfg.TEST.IMS_PER_BATCH))
+    with writer, logging_redirect_tqdm([logging.getLogger("pet")]), \
+            tqdm(total=total, unit=unit, disable=None, dynamic_ncols=True) as bar:
+        for done, detections in enumerate(pictures, 1):
+            writer.write(detections)
+            bar.update(1)
+            if bar.disable and done % log_every == 0:  # no terminal for the bar: a line now and then instead
+                rate = predictor.stats.pictures_per_second
+                logger.info(f"[Predicting] {done}/{total} {unit}s, {rate:.2f}/s, eta "
+                            f"{datetime.timedelta(seconds=int(max(total - done, 0) / rate)) if rate else '?'}")
+    summarize(predictor.stats, output, formats)
+
+
+if __name__ == "__main__":
+    launch_cli(main)
