@@ -29,8 +29,10 @@ from test_export import finish, randomize_norms, rescale_output, start_export
 from pet.config import load_cfg
 from pet.data import DatasetMapper, collate_batch, read_image
 from pet.deploy.backend import choose_backend, exported_models, int8_path
+from pet.deploy.int8 import int8_image_sets
 from pet.engine import precision as precision_module
 from pet.modeling import build_model
+from pet.utils.errors import DataError
 
 CFG = os.path.join(CFGS, "shapes", "faster_rcnn_R-18-FPN.yaml")
 TINY = ["MODEL.FPN.RETURNED_LAYERS", "[2, 3]", "MODEL.RPN.ANCHOR_SIZES", "[[32], [64], [128]]",
@@ -161,6 +163,18 @@ def test_test_net_backend_auto_runs_the_fastest_export_here_and_says_why(int8_ru
     assert f"--backend auto: {expected}" in log
     with open(os.path.join(int8_runs.ckpt, "test", "metrics.json")) as f:
         assert json.load(f)["metrics"]["bbox/AP"] > 50
+
+
+def test_the_three_image_sets_are_disjoint_even_when_training_and_test_sets_are_one(shapes_root):
+    one = custom_datasets(("int8_one", f"{shapes_root}/annotations/val.json", f"{shapes_root}/val"))
+    cfg = load_cfg(CFG, ["DATA.CUSTOM", one, "TRAIN.DATASETS", "('int8_one',)", "TEST.DATASETS", "('int8_one',)"])
+    sets = int8_image_sets(cfg, calibration=2, selection=10, gate=2)  # 6 images: 2 gate, 2 calibration, 2 left
+    files = {name: {r["file_name"] for r in getattr(sets, name)} for name in ("calibration", "selection", "gate")}
+    assert [len(f) for f in files.values()] == [2, 2, 2]
+    assert not files["calibration"] & files["selection"]
+    assert not files["gate"] & (files["calibration"] | files["selection"])
+    with pytest.raises(DataError, match="has only 4 that are not test images"):
+        int8_image_sets(cfg, calibration=4, selection=1, gate=2)
 
 
 # ------------------------------------------------------------------------------------------------ the choice
