@@ -7,7 +7,9 @@ _OPTIONAL = {
     "wandb": ["wandb>=0.31,<1"],
     "mlflow": ["mlflow-skinny>=3.17,<4", "sqlalchemy>=1.4,<3", "alembic>=1.8,!=1.10.0,<2"],
     "fast-eval": ["faster-coco-eval>=1.8"],
-    "export": ["onnx>=1.16", "onnxscript>=0.2", "onnxruntime>=1.18"],
+    # onnxruntime 1.32: int8 quantization (tools/export.py --int8) caches its calibration (calibration_cache_path),
+    # so each choice of what runs int8 is quantized without running the float model again.
+    "export": ["onnx>=1.16", "onnxscript>=0.2", "onnxruntime>=1.32"],
 }
 _EXTRAS = {
     **_OPTIONAL,

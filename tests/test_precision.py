@@ -20,7 +20,7 @@ from conftest import InfiniteToyLoader, ToyModel
 from pet.config import load_cfg
 from pet.engine import precision as precision_module
 from pet.engine.inference import inference_on_dataset, inference_precision
-from pet.engine.precision import NativeSupport, choose_precision, cpu_class, cpu_native_support
+from pet.engine.precision import NativeSupport, choose_precision, cpu_class, cpu_int8_support, cpu_native_support
 from pet.engine.trainer import Trainer
 from pet.utils.errors import ConfigError
 
@@ -125,6 +125,21 @@ def test_native_bf16_needs_the_instructions_and_no_cap_below_them(monkeypatch, f
     chosen = choose_precision("auto", "auto", "cpu", training=True)
     assert chosen.dtype == (torch.bfloat16 if native else None)
     assert support.reason in chosen.reason
+
+
+@pytest.mark.parametrize("flags, vnni, named", [
+    ({"avx512_vnni": True, "avx_vnni": True}, True, "AVX512_VNNI and AVX_VNNI"),  # AMD Zen 4, Intel Sapphire Rapids
+    ({"avx_vnni": True}, True, "AVX_VNNI"),                                      # Intel Alder Lake: AVX2 with VNNI
+    ({"amx_int8": True}, True, "AMX_INT8"),
+    ({"avx512_bf16": True}, False, "no AVX512_VNNI, AVX_VNNI or AMX_INT8"),      # bf16 alone is not VNNI
+    ({}, False, "no AVX512_VNNI, AVX_VNNI or AMX_INT8"),                         # Skylake-SP, Haswell
+    (None, False, "cannot read"),                                                # flags unreadable: never assumed
+])
+def test_int8_support_is_the_vnni_flags_whatever_the_isa_caps(monkeypatch, flags, vnni, named):
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # onnxruntime ignores oneDNN's and torch's caps
+    monkeypatch.setattr(precision_module, "_cpu_flags", lambda: flags)
+    support = cpu_int8_support()
+    assert support.native is vnni and named in support.reason
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -7,6 +7,7 @@
     python tools/benchmark.py infer  [the same options as train]
     python tools/benchmark.py data   [--workers 0 1] [--batches 40] [--repeats 5] [--out FILE]
     python tools/benchmark.py onnx   [--arch demo faster_rcnn retinanet fcos mask_rcnn] [--size 800 1333] [--batch 1]
+                                     [--int8 [--calib 8] [--reduce-range] [--weights DEMO_WEIGHTS]]
                                      [--threads N] [--iters 1] [--repeats 3] [--out FILE]
     python tools/benchmark.py coco-eval [--images 5000] [--classes 80] [--tasks bbox segm] [--repeats 3] [--out FILE]
     python tools/benchmark.py predict [--part stream tiles video] [--images 2000] [--batch 8] [--scenes 3]
@@ -18,7 +19,8 @@ weights, inputs, precision and memory format (tools/benchmarks/detectors.py). da
 training loader against PIL + torchvision.transforms.v2 (tools/benchmarks/data.py). coco-eval: one
 COCO evaluation with pycocotools against faster-coco-eval on a synthetic COCO-sized set
 (tools/benchmarks/coco_eval.py).
-onnx: Pet's PyTorch models against their ONNX exports in onnxruntime (tools/benchmarks/onnx.py).
+onnx: Pet's PyTorch models against their ONNX exports in onnxruntime, and with --int8 also PyTorch bfloat16 and the
+export quantized to int8 (tools/benchmarks/onnx.py).
 predict: tools/predict.py with the trained demo model: memory and images/s of a long stream against test_net,
 recall of tiled prediction on large generated scenes by merge, video frames/s (tools/benchmarks/predict.py).
 Every table starts with the machine's fingerprint, which the JSON keeps with the command.

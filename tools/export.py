@@ -1,5 +1,5 @@
 """Export a detector to ONNX and check it: python tools/export.py --cfg FILE [--weights W] [--output FILE]
-[--check-only] [KEY VALUE ...]
+[--check-only] [--int8 [--calib N] [--int8-tolerance AP] [--gate-images N]] [KEY VALUE ...]
 
 Writes an ONNX graph with a dynamic batch, height and width and the whole post-processing inside
 (pet/deploy/onnx.py says what it takes and returns), then runs the parity gate: the PyTorch model and
@@ -8,6 +8,11 @@ must agree within the tolerances it prints (boxes within 1e-3 of the image size,
 labels equal, mask IoU >= 0.99). Success is reported only then; a disagreement is one line and exit
 status 2. ``--check-only`` runs the gate on an existing ``--output`` file. Weights: --weights, else
 TEST.WEIGHTS, else CKPT/model_final.pth. Default output: CKPT/model.onnx.
+
+``--int8`` then quantizes the (checked) export to int8 beside it (CKPT/model.int8.onnx), calibrated on --calib
+training images, and writes it only if its bbox AP (and segm AP) on the first --gate-images test images is within
+--int8-tolerance AP points of the float model's; otherwise one line says how far it fell, exit status 2
+(pet/deploy/int8.py says how).
 """
 import argparse
 import json
@@ -21,6 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from pet.config import load_cfg  # noqa: E402
+from pet.deploy.backend import int8_path  # noqa: E402
+from pet.deploy.int8 import default_image_counts, int8_image_sets, quantize_with_gate  # noqa: E402
 from pet.deploy.onnx import export_onnx  # noqa: E402
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel  # noqa: E402
 from pet.deploy.parity import check_parity, parity_batches  # noqa: E402
@@ -39,7 +46,17 @@ def main() -> None:
     parser.add_argument("--weights", default="", metavar="FILE",
                         help="weights to export (default: TEST.WEIGHTS, else CKPT/model_final.pth)")
     parser.add_argument("--output", default="", metavar="FILE", help="ONNX file to write (default: CKPT/model.onnx)")
-    parser.add_argument("--check-only", action="store_true", help="only run the parity gate on the --output file")
+    parser.add_argument("--check-only", action="store_true",
+                        help="only run the parity gate on the --output file (and --int8 on it)")
+    parser.add_argument("--int8", action="store_true",
+                        help="also write an int8 model beside the output (model.int8.onnx) if it passes its AP gate")
+    parser.add_argument("--calib", type=int, default=0, metavar="N",
+                        help="int8 calibration images from TRAIN.DATASETS[0] (default: 256, or 64 for test images "
+                             "resized to 600 px or more)")
+    parser.add_argument("--int8-tolerance", type=float, default=1.0, metavar="AP",
+                        help="how many AP points (0-100) below float32 the int8 model may be on the gate (default 1)")
+    parser.add_argument("--gate-images", type=int, default=500, metavar="N",
+                        help="the int8 gate's images: the first N of TEST.DATASETS[0] (0: all; default 500)")
     parser.add_argument("--unsafe-load", action="store_true",
                         help="load the weights with weights_only=False (only for files you trust)")
     parser.add_argument("opts", nargs=argparse.REMAINDER, metavar="KEY VALUE", help="config overrides")
@@ -48,6 +65,8 @@ def main() -> None:
     cfg = load_cfg(args.cfg_file, args.opts)
     output = args.output or os.path.join(cfg.CKPT, "model.onnx")
 
+    # The int8 step's images are checked before the export, which takes minutes.
+    sets = int8_image_sets(cfg, *default_image_counts(cfg, args.calib), args.gate_images) if args.int8 else None
     model = build_model(cfg)
     weights = args.weights or cfg.TEST.WEIGHTS or os.path.join(cfg.CKPT, "model_final.pth")
     load_weights(model, weights, unsafe=args.unsafe_load, for_inference=True,
@@ -68,6 +87,12 @@ def main() -> None:
     logger.info(f"Parity gate passed: {report.summary()}")
     logger.info(f"{output} gives the PyTorch model's detections; evaluate it with tools/test_net.py --cfg "
                 f"{args.cfg_file} --backend onnxruntime --model {output}")
+    if sets is not None:
+        int8_report = quantize_with_gate(cfg, output, int8_path(output), sets, args.int8_tolerance,
+                                         threads=torch.get_num_threads())
+        logger.info(f"int8 gate passed: {int8_report.summary()}")
+        logger.info(f"Wrote {int8_path(output)}; evaluate it with tools/test_net.py --cfg {args.cfg_file} --backend "
+                    f"onnxruntime --model {int8_path(output)}, or let --backend auto choose")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """Predict with a trained detector: python tools/predict.py --cfg FILE --input SRC [--output DIR]
 [--save csv,coco,json,yolo,vis,crops] [--batch N] [--tile SIZE --tile-overlap F] [--max-det N]
-[--score-thresh T] [--vis-thresh T] [--vid-stride N] [--ann COCO_JSON] [--backend onnxruntime --model FILE]
+[--score-thresh T] [--vis-thresh T] [--vid-stride N] [--ann COCO_JSON] [--backend {pytorch,onnxruntime,auto}]
+[--model FILE]
 [KEY VALUE ...]
 
 SRC: an image, a folder (recursive), a glob, a text file of paths, or a video. Weights as in test_net
 (TEST.WEIGHTS, else CKPT/model_final.pth). Output: --output, default CKPT/predict/ (the files are listed
 in pet/predict/writers.py and the README). An unreadable image is skipped and counted (DATA.ON_BAD_IMAGE
 error on the command line stops instead); a missing input, an empty folder, an unreadable video or an
-unwritable output folder is one line and exit status 2, before any work.
+unwritable output folder is one line and exit status 2, before any work. ``--backend auto`` runs the fastest of
+PyTorch and this config's exports on this CPU, as test_net does (pet/deploy/backend.py).
 """
 import argparse
 import datetime
@@ -20,10 +22,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tqdm import tqdm  # noqa: E402
 from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: E402
 
+from pet.deploy.backend import resolve_backend  # noqa: E402
 from pet.engine.defaults import default_argument_parser, default_setup, launch_cli  # noqa: E402
 from pet.predict import PREDICT_DEFAULTS, PredictionWriter, Predictor, PredictStats, Source  # noqa: E402
 from pet.predict.writers import check_writable, parse_formats  # noqa: E402
-from pet.utils.errors import ConfigError, DataError  # noqa: E402
+from pet.utils.errors import DataError  # noqa: E402
 from pet.utils.logger import setup_logger  # noqa: E402
 
 logger = logging.getLogger("pet.tools.predict")
@@ -56,16 +59,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vid-stride", type=int, default=1, metavar="N", help="predict every N-th video frame")
     parser.add_argument("--ann", default="", metavar="COCO_JSON",
                         help="take predictions.json's image ids from this COCO file, by file name")
-    parser.add_argument("--backend", choices=("pytorch", "onnxruntime"), default="pytorch",
-                        help="run the PyTorch model, or an ONNX export of it in onnxruntime (needs --model)")
+    parser.add_argument("--backend", choices=("pytorch", "onnxruntime", "auto"), default="pytorch",
+                        help="run the PyTorch model, an ONNX export of it in onnxruntime (needs --model), or the "
+                             "fastest of them on this CPU (auto)")
     parser.add_argument("--model", default="", metavar="FILE", help="the ONNX file for --backend onnxruntime")
     return parser.parse_args()
 
 
-def config_opts(args: argparse.Namespace) -> list[str]:
+def config_opts(args: argparse.Namespace, backend: str) -> list[str]:
     """The command line's config overrides, after predict's own defaults (skip unreadable pictures)."""
     opts = [*PREDICT_DEFAULTS, *args.opts]
-    if args.backend == "onnxruntime":
+    if backend == "onnxruntime":
         opts += ["TEST.AMP.ENABLED", "False"]  # onnxruntime computes in float32; the log then says so too
     return opts
 
@@ -104,22 +108,21 @@ def summarize(stats: PredictStats, output: str, formats: list[str]) -> None:
 
 def main() -> None:
     args = parse_args()
-    if args.backend == "pytorch" and args.model:
-        raise ConfigError("--model names the ONNX file of --backend onnxruntime; the PyTorch model's weights come "
-                          "from TEST.WEIGHTS.")
-    if args.backend == "onnxruntime" and not args.model:
-        raise ConfigError("--backend onnxruntime needs --model FILE, an ONNX file written by tools/export.py.")
+    choice = resolve_backend(args.cfg_file, args.opts, args.backend, args.model)
+    backend, model_file = (choice.backend, choice.model) if choice else (args.backend, args.model)
     formats = parse_formats(args.save)
     if args.ann and not os.path.isfile(args.ann):
         raise DataError(f"--ann {args.ann} does not exist.")
-    cfg = default_setup(args.cfg_file, config_opts(args), args.local_rank)
+    cfg = default_setup(args.cfg_file, config_opts(args, backend), args.local_rank)
     output = args.output or os.path.join(cfg.CKPT, "predict")
     check_writable(output)
     setup_logger(output)
     source = Source(args.input, exclude=output)
     lower_score_threshold(cfg, args.score_thresh)
 
-    predictor = Predictor(cfg, args.model or None, backend=args.backend, score_thresh=args.score_thresh,
+    if choice:
+        logger.info(f"--backend auto: {choice}")
+    predictor = Predictor(cfg, model_file or None, backend=backend, score_thresh=args.score_thresh,
                           max_det=args.max_det, tile=args.tile, tile_overlap=args.tile_overlap,
                           tile_whole_image=args.tile_whole_image, unsafe_load=args.unsafe_load)
     writer = PredictionWriter(output, formats, predictor.label_space, source, vis_thresh=args.vis_thresh,

@@ -4,8 +4,11 @@ Weights: TEST.WEIGHTS, or CKPT/model_final.pth when it is empty. Writes CKPT/tes
 (bbox.json, metrics.json with the COCO metrics and the speed summary, vis/ with --vis N).
 ``--eval-only-results FILE`` scores a saved results file instead, without the model.
 ``--backend onnxruntime --model FILE`` evaluates an ONNX export (tools/export.py) in onnxruntime
-instead, through the same loop, evaluator and timers, in float32.
+instead, through the same loop, evaluator and timers, in float32 (or int8, for an int8 export).
+``--backend auto`` runs the fastest of PyTorch and this config's exports (CKPT/model.onnx, CKPT/model.int8.onnx)
+on this CPU and logs which and why (pet/deploy/backend.py); the default, pytorch, reproduces the float results.
 """
+import logging
 import os
 import sys
 
@@ -13,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from pet.deploy.backend import resolve_backend  # noqa: E402
 from pet.engine.build import build_test_hooks  # noqa: E402
 from pet.engine.common import flatten_metrics  # noqa: E402
 from pet.engine.defaults import build_test_model, default_argument_parser, default_setup, launch_cli  # noqa: E402
@@ -21,6 +25,8 @@ from pet.evaluation import DetectionVisualizer, evaluate_results_file  # noqa: E
 from pet.evaluation.coco import write_json_atomic  # noqa: E402
 from pet.utils import comm  # noqa: E402
 from pet.utils.errors import ConfigError  # noqa: E402
+
+logger = logging.getLogger("pet.tools.test_net")
 
 
 def combine_speed(per_rank: list[dict]) -> dict:
@@ -47,18 +53,13 @@ def rescore(cfg, results_file: str, output_dir: str) -> None:
                           {"results_file": os.path.abspath(results_file), "metrics": metrics})
 
 
-def load_model(cfg, args):
-    """The PyTorch model with its weights, or with ``--backend onnxruntime`` the ``--model`` ONNX file's session."""
-    if args.backend == "pytorch":
-        if args.model:
-            raise ConfigError("--model names the ONNX file of --backend onnxruntime; the PyTorch model's weights "
-                              "come from TEST.WEIGHTS.")
-        return build_test_model(cfg, unsafe=args.unsafe_load)
-    if not args.model:
-        raise ConfigError("--backend onnxruntime needs --model FILE, an ONNX file written by tools/export.py.")
+def load_model(cfg, backend: str, model_file: str, unsafe: bool):
+    """The PyTorch model with its weights, or for ``onnxruntime`` the ONNX file's session."""
+    if backend == "pytorch":
+        return build_test_model(cfg, unsafe=unsafe)
     from pet.deploy.onnxruntime_model import OnnxRuntimeModel  # only this backend needs onnxruntime installed
 
-    return OnnxRuntimeModel(args.model, threads=torch.get_num_threads())  # the threads PyTorch would use
+    return OnnxRuntimeModel(model_file, threads=torch.get_num_threads())  # the threads PyTorch would use
 
 
 def main() -> None:
@@ -67,18 +68,23 @@ def main() -> None:
                         help="score a saved COCO results file (e.g. CKPT/test/bbox.json) without running the model")
     parser.add_argument("--vis", type=int, default=0, metavar="N",
                         help="draw detections over ground truth on the first N test images into CKPT/test/vis/")
-    parser.add_argument("--backend", choices=("pytorch", "onnxruntime"), default="pytorch",
-                        help="run the PyTorch model, or an ONNX export of it in onnxruntime (needs --model)")
+    parser.add_argument("--backend", choices=("pytorch", "onnxruntime", "auto"), default="pytorch",
+                        help="run the PyTorch model, an ONNX export of it in onnxruntime (needs --model), or the "
+                             "fastest of them on this CPU (auto)")
     parser.add_argument("--model", default="", metavar="FILE", help="the ONNX file for --backend onnxruntime")
     args = parser.parse_args()
-    # onnxruntime computes in float32 whatever TEST.AMP says; the log then says so too.
-    opts = [*args.opts, "TEST.AMP.ENABLED", "False"] if args.backend == "onnxruntime" else args.opts
+    choice = resolve_backend(args.cfg_file, args.opts, args.backend, args.model)
+    backend, model_file = (choice.backend, choice.model) if choice else (args.backend, args.model)
+    # onnxruntime computes in float32 (int8 for an int8 export) whatever TEST.AMP says; the log then says so too.
+    opts = [*args.opts, "TEST.AMP.ENABLED", "False"] if backend == "onnxruntime" else args.opts
     cfg = default_setup(args.cfg_file, opts, args.local_rank)
+    if choice:
+        logger.info(f"--backend auto: {choice}")
     output_dir = os.path.join(cfg.CKPT, "test")
     if args.eval_only_results:
         rescore(cfg, args.eval_only_results, output_dir)
         return
-    model = load_model(cfg, args)
+    model = load_model(cfg, backend, model_file, args.unsafe_load)
     test_hook, hooks = build_test_hooks(cfg, args.cfg_file)
     if args.vis > 0:
         hooks.append(DetectionVisualizer(cfg.CKPT, num_images=args.vis))

@@ -18,7 +18,7 @@ from pet.modeling.postprocess import detections_to_original
 from pet.modeling.preprocess import image_sizes
 from pet.utils.errors import PetError
 
-__all__ = ["OnnxRuntimeModel"]
+__all__ = ["OnnxRuntimeModel", "session_inputs"]
 
 
 class OnnxRuntimeModel(torch.nn.Module):
@@ -56,12 +56,17 @@ class OnnxRuntimeModel(torch.nn.Module):
     def network_detections(self, images: Tensor, targets: list[dict[str, Any]]) -> list[dict[str, Tensor]]:
         """The graph's detections split by image: boxes in the network input's pixels, masks (Mask R-CNN) as
         ``[N, 1, M, M]`` probabilities, as the PyTorch model's RoI heads give them before its last step."""
-        sizes = image_sizes(targets)
         if min(images.shape[-2:]) < self.min_image_size:
             raise PetError(f"{self.path} takes padded images of at least {self.min_image_size} px a side (so that "
                            f"every feature map is larger than 1 cell); this batch is {tuple(images.shape[-2:])} px.")
-        outputs = self.session.run(None, {"images": images.cpu().contiguous().numpy(),
-                                          "image_sizes": np.asarray(sizes, dtype=np.int64).reshape(-1, 2)})
+        outputs = self.session.run(None, session_inputs(images, targets))
         named = {name: torch.from_numpy(value) for name, value in zip(self.output_names, outputs)}
         counts = torch.bincount(named.pop("image_index"), minlength=len(targets)).tolist()
         return [dict(zip(named, parts)) for parts in zip(*(value.split(counts) for value in named.values()))]
+
+
+def session_inputs(images: Tensor, targets: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+    """The graph's inputs for a batch as the test loader gives it: ``images`` uint8 ``[B, 3, H, W]`` and
+    ``image_sizes`` int64 ``[B, 2]``."""
+    sizes = np.asarray(image_sizes(targets), dtype=np.int64).reshape(-1, 2)
+    return {"images": images.cpu().contiguous().numpy(), "image_sizes": sizes}

@@ -20,6 +20,9 @@ always gets the same precision (and the same AP):
 
 ``ENABLED: True`` forces autocast (warning once when the CPU would emulate it); ``False``
 forces float32.
+
+:func:`cpu_int8_support` answers the same question for 8-bit integer inference (onnxruntime's int8
+models, :mod:`pet.deploy.int8`): whether the CPU has a VNNI dot-product instruction.
 """
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ import torch
 
 from pet.utils.errors import ConfigError
 
-__all__ = ["Precision", "NativeSupport", "choose_precision", "cpu_class", "cpu_has_native", "cpu_native_support"]
+__all__ = ["Precision", "NativeSupport", "choose_precision", "cpu_class", "cpu_has_native", "cpu_int8_support",
+           "cpu_native_support"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +77,11 @@ _ONEDNN_ISA_RANK = {
     "AVX512_CORE_AMX_FP16": 10, "AVX10_1_512_AMX_FP16": 10, "AVX10_2_512": 11, "AVX10_2_512_AMX_2": 12,
 }
 # Per autocast dtype: the CPU flags (any one) that give native kernels, and the lowest oneDNN cap keeping them.
-_FLAG_NAMES = {"avx512_bf16": "AVX512_BF16", "amx_tile": "AMX", "avx512_fp16": "AVX512_FP16", "amx_fp16": "AMX_FP16"}
+_FLAG_NAMES = {"avx512_bf16": "AVX512_BF16", "amx_tile": "AMX", "avx512_fp16": "AVX512_FP16", "amx_fp16": "AMX_FP16",
+               "avx512_vnni": "AVX512_VNNI", "avx_vnni": "AVX_VNNI", "amx_int8": "AMX_INT8"}
+# The instructions that multiply unsigned by signed 8-bit integers and accumulate in 32 bits, without the 16-bit
+# intermediate sum of AVX2's VPMADDUBSW (which saturates on large u8 x s8 products).
+_VNNI = ("avx512_vnni", "avx_vnni", "amx_int8")
 _NATIVE = {
     "bfloat16": (("avx512_bf16", "amx_tile"), "AVX512_CORE_BF16"),
     "float16": (("avx512_fp16", "amx_fp16"), "AVX512_CORE_FP16"),
@@ -121,6 +129,24 @@ def cpu_native_support(dtype: str) -> NativeSupport:
 def cpu_has_native(dtype: str) -> bool:
     """Whether ``dtype`` ("bfloat16" or "float16") runs natively on this CPU (see :func:`cpu_native_support`)."""
     return cpu_native_support(dtype).native
+
+
+def cpu_int8_support() -> NativeSupport:
+    """Whether this CPU multiplies 8-bit integers with a VNNI instruction (AVX512_VNNI, AVX_VNNI or AMX_INT8).
+
+    That decides two things for an int8 model in onnxruntime (which picks its kernels from the CPU itself,
+    whatever the ISA caps say): without VNNI, its u8 x s8 products go through AVX2's VPMADDUBSW, whose 16-bit
+    pairwise sums can saturate unless the weights were quantized to 7 bits (``reduce_range``), and int8 gains
+    less over float32. From the CPU's flags, as torch reads them; no timing.
+    """
+    flags = _cpu_flags()
+    if flags is None:
+        return NativeSupport("int8", False, "this torch cannot read the CPU's feature flags")
+    present = [_FLAG_NAMES[f] for f in _VNNI if flags.get(f)]
+    if not present:
+        return NativeSupport("int8", False, f"this CPU has no {', '.join(_FLAG_NAMES[f] for f in _VNNI[:-1])} or "
+                                            f"{_FLAG_NAMES[_VNNI[-1]]}")
+    return NativeSupport("int8", True, f"this CPU has {' and '.join(present)}")
 
 
 def cpu_class() -> str:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torchvision
 
-from pet.engine.precision import cpu_class, cpu_has_native
+from pet.engine.precision import cpu_class, cpu_has_native, cpu_int8_support
 
 __all__ = ["interleaved", "fingerprint", "format_fingerprint", "process_tree_rss"]
 
@@ -32,7 +32,7 @@ def interleaved(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, l
 
 
 def fingerprint() -> dict[str, Any]:
-    """The machine as it affects speed: CPU model, torch's CPU capability, native bfloat16, threads, versions."""
+    """The machine as it affects speed: CPU model, torch's CPU capability, native bfloat16, VNNI, threads, versions."""
     model = platform.processor() or platform.machine()
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -40,7 +40,8 @@ def fingerprint() -> dict[str, Any]:
     return {
         "cpu": model, "cores": os.cpu_count(), "cpu_class": cpu_class(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "native_bfloat16": cpu_has_native("bfloat16"), "threads": torch.get_num_threads(),
+        "native_bfloat16": cpu_has_native("bfloat16"), "vnni": cpu_int8_support().native,
+        "int8_support": cpu_int8_support().reason, "threads": torch.get_num_threads(),
         "torch": torch.__version__, "torchvision": torchvision.__version__,
         "emulation": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
                       if k in os.environ},
@@ -52,7 +53,8 @@ def format_fingerprint(fp: dict[str, Any]) -> str:
     emulated = f" (emulated: {settings})" if settings else ""
     return (f"machine: {fp['cpu']}, {fp['cores']} cores, class {fp['cpu_class']}, torch CPU capability "
             f"{fp['torch_cpu_capability']}"
-            f"{emulated}, native bf16 {'yes' if fp['native_bfloat16'] else 'no'}, {fp['threads']} thread(s), "
+            f"{emulated}, native bf16 {'yes' if fp['native_bfloat16'] else 'no'}, VNNI {'yes' if fp['vnni'] else 'no'}"
+            f", {fp['threads']} thread(s), "
             f"torch {fp['torch']}, torchvision {fp['torchvision']}")
 
 

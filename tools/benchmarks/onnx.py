@@ -2,10 +2,16 @@
 
 Each model is built from its config with random weights whose classifiers are biased as in detectors.py, so every
 image reaches the per-image detection cap and post-processing is timed at full load. It is exported with
-``pet.deploy.onnx.export_onnx`` (the export time is reported too), then both run on the same random images: PyTorch
-in float32 (onnxruntime computes in float32) with Pet's memory format, onnxruntime's CPU session through
+``pet.deploy.onnx.export_onnx`` (the export time is reported too), then every backend runs on the same random images:
+PyTorch in float32 with Pet's memory format, onnxruntime's CPU session through
 :class:`pet.deploy.onnxruntime_model.OnnxRuntimeModel`, which includes mapping boxes to the original image and
 pasting masks, as the PyTorch model's forward does. Milliseconds per image, median of alternating rounds.
+
+``--int8`` adds PyTorch in bfloat16 (where this CPU runs it natively) and the export quantized to int8 by
+:class:`pet.deploy.int8.Quantizer` with every quantizable part in int8 (what the gate chose for the trained demo),
+calibrated on ``--calib`` other random images; ``--weights`` gives the demo trained weights instead, and then
+the images are the first shapes_val images and the calibration images shapes_train's (detections as trained,
+not at the cap). The int8 model's accuracy is not measured here: tools/export.py --int8 gates it.
 """
 from __future__ import annotations
 
@@ -21,71 +27,122 @@ import torch
 from benchmarks.common import format_fingerprint, interleaved
 from benchmarks.detectors import ARCHS, DEMO_BATCH, DEMO_SIZE, _make_confident, _random_scene, _seconds_per_call
 from pet.config import load_cfg
+from pet.data import get_dataset
+from pet.engine.precision import cpu_has_native
 from pet.modeling import build_model
+from pet.utils.weights import load_weights
 
 __all__ = ["onnx_vs_pytorch", "add_arguments"]
 
+# Column name -> key in the JSON; the first is the reference of the ratios.
+BACKENDS = {"PyTorch fp32": "pytorch_float32", "PyTorch bf16": "pytorch_bfloat16",
+            "ORT fp32": "onnxruntime_float32", "ORT int8": "onnxruntime_int8"}
 
-def _infer(model: torch.nn.Module, images: torch.Tensor, targets: list[dict]) -> list[dict]:
-    with torch.inference_mode(), torch.autocast("cpu", enabled=False):
+
+def _infer(model: torch.nn.Module, images: torch.Tensor, targets: list[dict], dtype: torch.dtype | None = None
+           ) -> list[dict]:
+    with torch.inference_mode(), torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
         return model(images, targets)
 
 
+def _scenes(arch: str, cfg, args: argparse.Namespace) -> tuple[tuple, list, tuple[int, int], int]:
+    """The timed batch ``(images, targets)``, the calibration batches (one image each), the size and the batch."""
+    if arch == "demo" and args.weights:
+        from pet.deploy.int8 import RecordBatches  # onnxruntime is needed by this benchmark only
+
+        val = RecordBatches(cfg, get_dataset("shapes_val").records[:DEMO_BATCH], DEMO_BATCH)
+        calibration = RecordBatches(cfg, get_dataset("shapes_train").records[:args.calib], 1)
+        images, targets = next(iter(val))
+        return (images, targets), calibration, tuple(images.shape[-2:]), DEMO_BATCH
+    size, batch = (DEMO_SIZE, DEMO_BATCH) if arch == "demo" else (tuple(args.size[-2:]), args.batch)
+    num_classes = cfg.MODEL.NUM_CLASSES
+    images, targets = _random_scene(batch, size, num_classes)
+    calibration = [_random_scene(1, size, num_classes, seed=1 + i) for i in range(args.calib)]
+    return (images, targets), calibration, size, batch
+
+
 def _arch(arch: str, args: argparse.Namespace, workdir: str) -> tuple[dict, dict]:
-    """Export ``arch`` and return its timed cases ``name -> (PyTorch call, onnxruntime call, images)`` and facts."""
-    from pet.deploy.onnx import export_onnx  # onnx and onnxruntime are needed by this benchmark only
+    """Export ``arch``; return its timed cases ``name -> ({backend: call}, images)`` and facts."""
+    from pet.deploy.int8 import Quantizer  # onnx and onnxruntime are needed by this benchmark only
+    from pet.deploy.onnx import export_onnx
     from pet.deploy.onnxruntime_model import OnnxRuntimeModel
 
-    size, batch = (DEMO_SIZE, DEMO_BATCH) if arch == "demo" else (tuple(args.size[-2:]), args.batch)
     cfg = load_cfg(os.path.join("cfgs", ARCHS[arch][0]), [])
     torch.manual_seed(0)
     model = build_model(cfg).eval()
-    _make_confident(model)
-    images, targets = _random_scene(batch, size, cfg.MODEL.NUM_CLASSES)
+    if arch == "demo" and args.weights:
+        load_weights(model, args.weights)
+    else:
+        _make_confident(model)
+    (images, targets), calibration, size, batch = _scenes(arch, cfg, args)
     path = os.path.join(workdir, f"{arch}.onnx")
     start = time.perf_counter()
     export_onnx(model, (images[:1], targets[:1]), path)
     facts = {"size": list(size), "batch": batch, "export_s": time.perf_counter() - start,
-             "onnx_mb": os.path.getsize(path) / 2**20}
-    session = OnnxRuntimeModel(path, threads=args.threads)
-    facts["detections_per_image"] = {"pytorch": len(_infer(model, images[:1], targets[:1])[0]["boxes"]),
-                                     "onnxruntime": len(_infer(session, images[:1], targets[:1])[0]["boxes"])}
-    cases = {"infer b1": (partial(_infer, model, images[:1], targets[:1]),
-                          partial(_infer, session, images[:1], targets[:1]), 1)}
+             "onnx_mb": os.path.getsize(path) / 2**20, "weights": (arch == "demo" and args.weights) or "random"}
+    models = {"PyTorch fp32": partial(_infer, model), "ORT fp32": partial(_infer, OnnxRuntimeModel(path, args.threads))}
+    if args.int8:
+        if cpu_has_native("bfloat16"):
+            models["PyTorch bf16"] = partial(_infer, model, dtype=torch.bfloat16)
+        start = time.perf_counter()
+        quantizer = Quantizer(path, workdir, calibration, reduce_range=args.reduce_range)
+        int8_path = quantizer.quantize(quantizer.parts, os.path.join(workdir, f"{arch}.int8.onnx"))
+        facts.update(quantize_s=time.perf_counter() - start, int8_mb=os.path.getsize(int8_path) / 2**20,
+                     int8_parts=list(quantizer.parts), reduce_range=args.reduce_range)
+        models["ORT int8"] = partial(_infer, OnnxRuntimeModel(int8_path, args.threads))
+    models = {name: models[name] for name in BACKENDS if name in models}
+    facts["detections_per_image"] = {BACKENDS[name]: len(run(images[:1], targets[:1])[0]["boxes"])
+                                     for name, run in models.items()}
+    cases = {"infer b1": ({name: partial(run, images[:1], targets[:1]) for name, run in models.items()}, 1)}
     if batch > 1:
-        cases[f"infer b{batch}"] = (partial(_infer, model, images, targets), partial(_infer, session, images, targets),
-                                    batch)
+        cases[f"infer b{batch}"] = ({name: partial(run, images, targets) for name, run in models.items()}, batch)
     return cases, facts
 
 
 def onnx_vs_pytorch(args: argparse.Namespace, fingerprint: dict) -> dict:
-    """Time each architecture's cases, PyTorch and onnxruntime in alternating order; medians and ratios."""
+    """Time each architecture's cases, every backend in alternating order; medians and speed-ups."""
     import onnxruntime  # only this benchmark needs it
 
     result: dict = {"onnxruntime": onnxruntime.__version__, "iters": args.iters, "repeats": args.repeats,
                     "archs": {}}
     print(format_fingerprint(fingerprint) + f", onnxruntime {onnxruntime.__version__}")
-    print(f"onnx: float32 on both sides, {args.threads} thread(s) each; random images, every image at the detection "
-          f"cap; median of {args.repeats} alternating rounds of {args.iters} call(s) after one warm-up call "
-          f"(ms/image; the demo at {DEMO_BATCH}x{DEMO_SIZE[0]}x{DEMO_SIZE[1]}, R-50 at "
-          f"{args.batch}x{args.size[0]}x{args.size[-1]})")
-    print(f"{'model':<12} {'case':<10} {'PyTorch':>10} {'onnxruntime':>12} {'ORT/PT':>7} {'dets PT, ORT':>13} "
-          f"{'export':>8}")
+    scene = ("the demo trained (--weights) on shapes_val images, the R-50 models on random images at the detection "
+             "cap" if args.weights else "random weights and images, every image at the detection cap")
+    print(f"onnx: {args.threads} thread(s) each; {scene}; median of {args.repeats} alternating rounds of "
+          f"{args.iters} call(s) after one warm-up call (ms/image; the demo at {DEMO_BATCH}x{DEMO_SIZE[0]}x"
+          f"{DEMO_SIZE[1]}, R-50 at {args.batch}x{args.size[0]}x{args.size[-1]})"
+          + (f"; int8: every quantizable part, calibrated on {args.calib} images, reduce_range {args.reduce_range}"
+             if args.int8 else ""))
+    names = [name for name in BACKENDS if args.int8 or name in ("PyTorch fp32", "ORT fp32")]
+    print(f"{'model':<12} {'case':<9} " + " ".join(f"{name:>12}" for name in names) + f" {'ORT/PT':>7}"
+          + (f" {'int8 x PT32':>11} {'x ORT32':>8} {'x bf16':>7}" if args.int8 else "") + "  dets/image")
     with tempfile.TemporaryDirectory() as workdir:
         for arch in args.arch:
             cases, facts = _arch(arch, args, workdir)
             result["archs"][arch] = {**facts, "cases": {}}
-            dets = facts["detections_per_image"]
-            for case, (pytorch_fn, onnx_fn, images) in cases.items():
-                pytorch_fn(), onnx_fn()  # warm-up: allocator, lazy initialisation, onnxruntime's first run
-                samples = interleaved({"pytorch": partial(_seconds_per_call, pytorch_fn, args.iters),
-                                       "onnxruntime": partial(_seconds_per_call, onnx_fn, args.iters)}, args.repeats)
-                med = {k: statistics.median(v) * 1000 / images for k, v in samples.items()}
-                row = {**med, "ratio": med["onnxruntime"] / med["pytorch"], "samples_s": samples}
+            for case, (runs, images) in cases.items():
+                for run in runs.values():  # warm-up: allocator, lazy initialisation, onnxruntime's first run
+                    run()
+                samples = interleaved({name: partial(_seconds_per_call, run, args.iters) for name, run in runs.items()},
+                                      args.repeats)
+                ms = {name: statistics.median(values) * 1000 / images for name, values in samples.items()}
+                row = {**{BACKENDS[name]: value for name, value in ms.items()},
+                       "ort_over_pytorch": ms["ORT fp32"] / ms["PyTorch fp32"],
+                       "samples_s": {BACKENDS[name]: values for name, values in samples.items()}}
+                speedups = ""
+                if "ORT int8" in ms:
+                    row["int8_speedup"] = {BACKENDS[name]: value / ms["ORT int8"] for name, value in ms.items()
+                                           if name != "ORT int8"}
+                    bf16 = row["int8_speedup"].get("pytorch_bfloat16")
+                    speedups = (f" {row['int8_speedup']['pytorch_float32']:>11.2f} "
+                                f"{row['int8_speedup']['onnxruntime_float32']:>8.2f} "
+                                f"{f'{bf16:.2f}' if bf16 else '-':>7}")
                 result["archs"][arch]["cases"][case] = row
-                print(f"{arch:<12} {case:<10} {med['pytorch']:>7.1f} ms {med['onnxruntime']:>9.1f} ms "
-                      f"{row['ratio']:>7.2f} {dets['pytorch']:>6}, {dets['onnxruntime']:<5} "
-                      f"{facts['export_s']:>6.0f} s", flush=True)
+                cells = " ".join(f"{ms[name]:>9.1f} ms" if name in ms else f"{'-':>12}" for name in names)
+                dets = ", ".join(str(n) for n in facts["detections_per_image"].values())
+                print(f"{arch:<12} {case:<9} {cells} {row['ort_over_pytorch']:>7.2f}{speedups}  {dets}", flush=True)
+            int8 = f", int8 quantization {facts['quantize_s']:.0f} s ({facts['int8_mb']:.1f} MB)" if args.int8 else ""
+            print(f"{arch:<12} export {facts['export_s']:.0f} s ({facts['onnx_mb']:.1f} MB){int8}")
     return result
 
 
@@ -97,6 +154,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=1, help="R-50 second inference batch (the demo uses 8)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="torch threads and onnxruntime intra-op threads (default: the cores)")
+    parser.add_argument("--int8", action="store_true",
+                        help="add PyTorch bfloat16 (where native) and the export quantized to int8")
+    parser.add_argument("--calib", type=int, default=8, help="int8 calibration images")
+    parser.add_argument("--reduce-range", action="store_true", help="int8 weights in 7 bits (for CPUs without VNNI)")
+    parser.add_argument("--weights", default="", metavar="FILE",
+                        help="trained weights for the demo (then shapes_val images instead of random ones)")
     parser.add_argument("--iters", type=int, default=1, help="calls per timed run")
     parser.add_argument("--repeats", type=int, default=3, help="alternating rounds; the median counts")
     parser.add_argument("--out", default="benchmarks/onnx.json")

@@ -1,0 +1,223 @@
+"""int8 inference (pet/deploy/int8.py, tools/export.py --int8) and the choice of backend (pet/deploy/backend.py,
+tools/test_net.py --backend auto).
+
+The gate needs a model whose AP means something, without training one: a tiny Faster R-CNN with random weights (the
+export tests' tiny model) detects on generated shapes images, and its most confident detections become the ground
+truth of those images. The float model then scores close to 100 AP, and an int8 model scores what quantization
+costs it. tools/export.py exports the model once; --check-only --int8 then quantizes that export twice, side by
+side: calibrated on the training images (written, within the tolerance), and calibrated on blank images of the
+same names and annotations (the damage: activations' ranges measured on nothing; the gate must refuse it).
+
+The backend choice is checked with the CPU's flags faked: the rule is a table of CPU classes, not a timing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+import cv2
+import numpy as np
+import onnx
+import pytest
+import torch
+from helpers import CFGS, custom_datasets, run_tool
+from test_export import finish, randomize_norms, rescale_output, start_export
+
+from pet.config import load_cfg
+from pet.data import DatasetMapper, collate_batch, read_image
+from pet.deploy.backend import choose_backend, exported_models, int8_path
+from pet.deploy.int8 import int8_image_sets
+from pet.engine import precision as precision_module
+from pet.modeling import build_model
+from pet.utils.errors import DataError
+
+CFG = os.path.join(CFGS, "shapes", "faster_rcnn_R-18-FPN.yaml")
+TINY = ["MODEL.FPN.RETURNED_LAYERS", "[2, 3]", "MODEL.RPN.ANCHOR_SIZES", "[[32], [64], [128]]",
+        "MODEL.FPN.OUT_CHANNELS", "32", "MODEL.ROI_BOX_HEAD.MLP_DIM", "64", "MODEL.RPN.PRE_NMS_TOPK_TEST", "200",
+        "MODEL.RPN.POST_NMS_TOPK_TEST", "100", "INPUT.MIN_SIZE_TEST", "160", "INPUT.MAX_SIZE_TEST", "214",
+        "TEST.IMS_PER_BATCH", "1", "DATA.NUM_WORKERS", "0", "TEST.NUM_WARMUP", "0"]
+# AP points. int8 costs this random model 2-15 AP on its own detections depending on the parts (random features are
+# far more fragile than trained ones: the trained demo lost none, docs/BENCHMARKS.md); blank calibration costs ~95.
+TOLERANCE = "20"
+
+
+def pseudo_labels(model: torch.nn.Module, cfg, root: str, split: str, out: str, per_image: int = 4) -> str:
+    """A COCO file of ``split``'s images whose objects are ``model``'s detections above one score, the score that
+    leaves ``per_image`` of them per image on average (one threshold for all images: an image's objects then all
+    outscore every other image's non-objects, and the model's own AP is 100)."""
+    with open(os.path.join(root, "annotations", f"{split}.json")) as f:
+        data = json.load(f)
+    mapper = DatasetMapper.from_config(cfg, is_train=False)
+    found = []
+    for entry in data["images"]:
+        record = {"image_id": entry["id"], "boxes": np.zeros((0, 4), dtype=np.float32), "labels": []}
+        image = read_image(os.path.join(root, split, entry["file_name"]))
+        batch = collate_batch([mapper(record, image, np.random.default_rng(0))], cfg.INPUT.SIZE_DIVISIBILITY)
+        with torch.no_grad():
+            detections = model(*batch)[0]
+        found += [(entry["id"], *d) for d in zip(detections["boxes"].tolist(), detections["labels"].tolist(),
+                                                 detections["scores"].tolist())]
+    threshold = sorted((score for *_, score in found), reverse=True)[per_image * len(data["images"])]
+    annotations = [{"id": i + 1, "image_id": image_id, "category_id": label, "iscrowd": 0,
+                    "bbox": [x0, y0, x1 - x0, y1 - y0], "area": (x1 - x0) * (y1 - y0)}
+                   for i, (image_id, (x0, y0, x1, y1), label, score) in enumerate(found) if score > threshold]
+    with open(out, "w") as f:
+        json.dump({**data, "annotations": annotations}, f)
+    return out
+
+
+def blank_copies(image_dir: str, out: str) -> str:
+    """``image_dir``'s images, same names and sizes, every pixel grey."""
+    os.makedirs(out)
+    for name in os.listdir(image_dir):
+        height, width = cv2.imread(os.path.join(image_dir, name)).shape[:2]
+        cv2.imwrite(os.path.join(out, name), np.full((height, width, 3), 127, np.uint8))
+    return out
+
+
+@dataclass
+class Int8Runs:
+    opts: list[str]  # the tiny model, its datasets, CKPT
+    weights: str
+    ckpt: str
+    export: subprocess.CompletedProcess
+    calibrated: subprocess.CompletedProcess  # --int8 calibrated on the training images
+    damaged: subprocess.CompletedProcess  # --int8 calibrated on blank images
+    damaged_output: str
+
+
+@pytest.fixture(scope="module")
+def int8_runs(tmp_path_factory, shapes_set) -> Int8Runs:
+    root = shapes_set(num_train=40, num_val=16)
+    work = tmp_path_factory.mktemp("int8")
+    ckpt = str(work / "ckpt")
+    cfg = load_cfg(CFG, [*TINY, "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.0"])
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    randomize_norms(model)
+    mapper = DatasetMapper.from_config(cfg, is_train=False)
+    image = read_image(os.path.join(root, "val", sorted(os.listdir(os.path.join(root, "val")))[0]))
+    sample = mapper({"image_id": 1, "boxes": np.zeros((0, 4), dtype=np.float32), "labels": []}, image,
+                    np.random.default_rng(0))
+    rescale_output(model, "roi_heads.box_predictor.cls_score", collate_batch([sample], cfg.INPUT.SIZE_DIVISIBILITY))
+    weights = str(work / "tiny.pth")
+    torch.save(model.state_dict(), weights)
+    labels = {split: pseudo_labels(model, cfg, root, split, str(work / f"{split}.json")) for split in ("train", "val")}
+    blank = blank_copies(os.path.join(root, "train"), str(work / "blank"))
+    datasets = custom_datasets(("int8_train", labels["train"], f"{root}/train"),
+                               ("int8_val", labels["val"], f"{root}/val"),
+                               ("int8_blank", labels["train"], blank))
+    opts = [*TINY, "DATA.CUSTOM", datasets, "TRAIN.DATASETS", "('int8_train',)", "TEST.DATASETS", "('int8_val',)",
+            "CKPT", ckpt]
+    output = os.path.join(ckpt, "model.onnx")
+    export = finish(start_export(CFG, opts, weights, output))
+    assert export.returncode == 0, export.stderr[-3000:]
+    damaged_output = str(work / "damaged" / "model.onnx")
+    os.makedirs(os.path.dirname(damaged_output))
+    shutil.copy(output, damaged_output)
+    int8 = ["--check-only", "--int8", "--calib", "16", "--int8-tolerance", TOLERANCE]
+    jobs = [start_export(CFG, opts, weights, output, *int8),
+            start_export(CFG, [*opts, "TRAIN.DATASETS", "('int8_blank',)"], weights, damaged_output, *int8)]
+    calibrated, damaged = (finish(job) for job in jobs)
+    return Int8Runs(opts, weights, ckpt, export, calibrated, damaged, damaged_output)
+
+
+def test_int8_calibrated_on_training_images_passes_its_gate_and_is_written(int8_runs):
+    run = int8_runs.calibrated
+    assert run.returncode == 0, f"{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+    path = int8_path(os.path.join(int8_runs.ckpt, "model.onnx"))
+    assert "int8 gate passed: bbox AP" in run.stdout and os.path.isfile(path)
+    meta = {p.key: p.value for p in onnx.load(path).metadata_props}
+    gate = json.loads(meta["pet.int8.gate"])
+    assert gate["images"] == 16 and gate["dataset"] == "int8_val" and gate["tolerance"] == float(TOLERANCE)
+    assert gate["ap"]["float32"]["bbox"] - gate["ap"]["int8"]["bbox"] <= float(TOLERANCE)
+    assert gate["ap"]["float32"]["bbox"] > 90  # the pseudo labels are the float model's own detections
+    # What runs int8 is chosen on the selection images; this random model loses AP in some parts.
+    assert set(meta["pet.int8.parts"].split(",")) <= {"backbone.body", "backbone.fpn", "rpn.head", "roi_heads.box_head"}
+    assert meta["pet.int8.reduce_range"] == str(not precision_module.cpu_int8_support().native)
+    ops = {node.op_type for node in onnx.load(path).graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear", "NonMaxSuppression", "RoiAlign"} <= ops
+
+
+def test_the_gate_refuses_an_int8_model_calibrated_on_blank_images_with_one_line_and_exit_2(int8_runs):
+    run = int8_runs.damaged
+    assert run.returncode == 2, f"{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: int8 gate failed: bbox AP"), run.stderr[-2000:]
+    assert "points below float32's" in lines[0] and f"(tolerance {TOLERANCE})" in lines[0]
+    assert not os.path.exists(int8_path(int8_runs.damaged_output))
+    assert not [name for name in os.listdir(os.path.dirname(int8_runs.damaged_output)) if name.startswith(".int8")]
+
+
+def test_test_net_backend_auto_runs_the_fastest_export_here_and_says_why(int8_runs, tmp_path):
+    opts = [*int8_runs.opts, "TEST.WEIGHTS", int8_runs.weights]
+    expected = choose_backend(load_cfg(CFG, opts), exported_models(load_cfg(CFG, opts)))
+    assert expected.model in ("", os.path.join(int8_runs.ckpt, "model.onnx"),
+                              int8_path(os.path.join(int8_runs.ckpt, "model.onnx")))
+    run_tool("test_net.py", "--cfg", CFG, "--backend", "auto", *opts, "TEST.DIAGNOSTICS.ENABLED", "False")
+    with open(os.path.join(int8_runs.ckpt, "log.txt")) as f:
+        log = f.read()
+    assert f"--backend auto: {expected}" in log
+    with open(os.path.join(int8_runs.ckpt, "test", "metrics.json")) as f:
+        assert json.load(f)["metrics"]["bbox/AP"] > 50
+
+
+def test_the_three_image_sets_are_disjoint_even_when_training_and_test_sets_are_one(shapes_root):
+    one = custom_datasets(("int8_one", f"{shapes_root}/annotations/val.json", f"{shapes_root}/val"))
+    cfg = load_cfg(CFG, ["DATA.CUSTOM", one, "TRAIN.DATASETS", "('int8_one',)", "TEST.DATASETS", "('int8_one',)"])
+    sets = int8_image_sets(cfg, calibration=2, selection=10, gate=2)  # 6 images: 2 gate, 2 calibration, 2 left
+    files = {name: {r["file_name"] for r in getattr(sets, name)} for name in ("calibration", "selection", "gate")}
+    assert [len(f) for f in files.values()] == [2, 2, 2]
+    assert not files["calibration"] & files["selection"]
+    assert not files["gate"] & (files["calibration"] | files["selection"])
+    with pytest.raises(DataError, match="has only 4 that are not test images"):
+        int8_image_sets(cfg, calibration=4, selection=1, gate=2)
+
+
+# ------------------------------------------------------------------------------------------------ the choice
+# CPU classes as torch's CPUID reader reports them (lower-case flags) with the capability torch's kernels use.
+ZEN4 = ({"avx512_bf16": True, "avx512_vnni": True, "avx_vnni": True}, "AVX512")  # also Sapphire Rapids (+AMX)
+ICE_LAKE = ({"avx512_vnni": True}, "AVX512")  # AVX-512 with VNNI, no bfloat16
+SKYLAKE_SP = ({}, "AVX512")  # AVX-512 without VNNI
+ALDER_LAKE = ({"avx_vnni": True}, "AVX2")  # AVX2 with AVX-VNNI
+HASWELL = ({}, "AVX2")
+BOTH = {"float32": "m.onnx", "int8": "m.int8.onnx"}
+
+
+@pytest.mark.parametrize("cpu, available, opts, expected", [
+    (ZEN4, BOTH, [], ("onnxruntime", "m.int8.onnx", "int8")),
+    (ZEN4, {"float32": "m.onnx"}, [], ("pytorch", "", "bfloat16")),
+    (ZEN4, {}, [], ("pytorch", "", "bfloat16")),
+    (ZEN4, {"float32": "m.onnx"}, ["TEST.AMP.ENABLED", "False"], ("onnxruntime", "m.onnx", "float32")),
+    (ICE_LAKE, BOTH, [], ("onnxruntime", "m.int8.onnx", "int8")),
+    (ICE_LAKE, {"float32": "m.onnx"}, [], ("onnxruntime", "m.onnx", "float32")),
+    (SKYLAKE_SP, BOTH, [], ("onnxruntime", "m.onnx", "float32")),
+    (ALDER_LAKE, BOTH, [], ("onnxruntime", "m.int8.onnx", "int8")),
+    (HASWELL, BOTH, [], ("onnxruntime", "m.onnx", "float32")),
+    (HASWELL, {"int8": "m.int8.onnx"}, [], ("pytorch", "", "float32")),
+    (HASWELL, {}, [], ("pytorch", "", "float32")),
+])
+def test_auto_chooses_by_the_cpu_class_as_the_benchmark_table_says(monkeypatch, cpu, available, opts, expected):
+    flags, capability = cpu
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(precision_module, "_cpu_flags", lambda: {"avx2": True, **flags})
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    choice = choose_backend(load_cfg(CFG, ["DEVICE", "cpu", *opts]), available)
+    assert (choice.backend, choice.model, choice.precision) == expected
+    if "int8" in available and expected[2] != "int8":
+        assert "int8 passed over because this CPU has no AVX512_VNNI, AVX_VNNI or AMX_INT8" in choice.reason
+
+
+def test_exports_older_than_the_weights_are_not_offered(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for name in ("model.onnx", "model.int8.onnx", "model_final.pth"):
+        (ckpt / name).write_bytes(b"")
+    cfg = load_cfg(CFG, ["CKPT", str(ckpt)])
+    os.utime(ckpt / "model.onnx", (1e9, 1e9))  # exported before the weights were written
+    assert exported_models(cfg) == {"int8": str(ckpt / "model.int8.onnx")}
+    assert exported_models(load_cfg(CFG, ["CKPT", str(tmp_path / "nothing")])) == {}
