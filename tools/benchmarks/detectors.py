@@ -26,10 +26,11 @@ from functools import partial
 from typing import Any
 
 import torch
-from torchvision.models import detection, resnet18, resnet50
+from torchvision.models import ResNet, detection, resnet18, resnet50
 from torchvision.models.detection.backbone_utils import BackboneWithFPN, _resnet_fpn_extractor
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
 from torchvision.models.detection.rpn import AnchorGenerator, RPNHead
+from torchvision.models.resnet import BasicBlock
 from torchvision.ops import FrozenBatchNorm2d, MultiScaleRoIAlign
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool, LastLevelP6P7
 
@@ -57,10 +58,15 @@ def _pet_cfg(arch: str, memory_format: str):
                     ["MODEL.CHANNELS_LAST", str(memory_format == "channels_last")])
 
 
+# The demo's backbone built from torchvision directly (ResNet-10: its ResNet class with one BasicBlock per stage).
+_DEMO_BODIES: dict[str, Callable[..., ResNet]] = {"resnet10": partial(ResNet, BasicBlock, [1, 1, 1, 1]),
+                                                  "resnet18": resnet18}
+
+
 def _demo_reference(cfg, size: tuple[int, int]) -> torch.nn.Module:
     """torchvision's FasterRCNN with the demo's parts, read from its config (trainable BN, slim heads)."""
     layers, channels = list(cfg.MODEL.FPN.RETURNED_LAYERS), cfg.MODEL.FPN.OUT_CHANNELS
-    body = resnet18(norm_layer=torch.nn.BatchNorm2d)
+    body = _DEMO_BODIES[cfg.MODEL.BACKBONE.NAME](norm_layer=torch.nn.BatchNorm2d)
     backbone = BackboneWithFPN(body, {f"layer{k}": str(i) for i, k in enumerate(layers)},
                                [64 * 2 ** (k - 1) for k in layers], channels, extra_blocks=LastLevelMaxPool())
     rpn, box, heads = cfg.MODEL.RPN, cfg.MODEL.ROI_BOX_HEAD, cfg.MODEL.ROI_HEADS
