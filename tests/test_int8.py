@@ -87,6 +87,7 @@ class Int8Runs:
     calibrated: subprocess.CompletedProcess  # --int8 calibrated on the training images
     damaged: subprocess.CompletedProcess  # --int8 calibrated on blank images
     damaged_output: str
+    val_images: str
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +123,7 @@ def int8_runs(tmp_path_factory, shapes_set) -> Int8Runs:
     jobs = [start_export(CFG, opts, weights, output, *int8),
             start_export(CFG, [*opts, "TRAIN.DATASETS", "('int8_blank',)"], weights, damaged_output, *int8)]
     calibrated, damaged = (finish(job) for job in jobs)
-    return Int8Runs(opts, weights, ckpt, export, calibrated, damaged, damaged_output)
+    return Int8Runs(opts, weights, ckpt, export, calibrated, damaged, damaged_output, f"{root}/val")
 
 
 def test_int8_calibrated_on_training_images_passes_its_gate_and_is_written(int8_runs):
@@ -163,6 +164,18 @@ def test_test_net_backend_auto_runs_the_fastest_export_here_and_says_why(int8_ru
     assert f"--backend auto: {expected}" in log
     with open(os.path.join(int8_runs.ckpt, "test", "metrics.json")) as f:
         assert json.load(f)["metrics"]["bbox/AP"] > 50
+
+
+def test_predict_backend_auto_makes_test_nets_choice_and_predicts_with_it(int8_runs, tmp_path):
+    opts = [*int8_runs.opts, "TEST.WEIGHTS", int8_runs.weights]
+    expected = choose_backend(load_cfg(CFG, opts), exported_models(load_cfg(CFG, opts)))
+    out = tmp_path / "predict"
+    run_tool("predict.py", "--cfg", CFG, "--input", int8_runs.val_images, "--output", out, "--save", "csv",
+             "--backend", "auto", *opts)
+    with open(out / "log.txt") as f:
+        assert f"--backend auto: {expected}" in f.read()
+    with open(out / "predictions.csv") as f:
+        assert len(f.read().splitlines()) > 16  # the header and detections on the 16 images
 
 
 def test_the_three_image_sets_are_disjoint_even_when_training_and_test_sets_are_one(shapes_root):
