@@ -10,8 +10,9 @@
                                      [--int8 [--calib 8] [--reduce-range] [--weights DEMO_WEIGHTS]]
                                      [--threads N] [--iters 1] [--repeats 3] [--out FILE]
     python tools/benchmark.py coco-eval [--images 5000] [--classes 80] [--tasks bbox segm] [--repeats 3] [--out FILE]
-    python tools/benchmark.py predict [--part stream tiles video] [--images 2000] [--batch 8] [--scenes 3]
-                                      [--tile 256] [--tile-overlap 0.25] [--frames 320] [--vid-stride 2] [--out FILE]
+    python tools/benchmark.py predict [--part stream tiles sahi video] [--images 2000] [--batch 8] [--scenes 3]
+                                      [--tile 256] [--tile-overlap 0.25] [--sahi-conf 0.3] [--frames 320]
+                                      [--vid-stride 2] [--out FILE]
 
 engine: Pet's Trainer overhead per iteration over a plain loop and MMEngine's Runner
 (tools/benchmarks/engine.py). train / infer: Pet's detectors against torchvision's on the same
@@ -22,7 +23,8 @@ COCO evaluation with pycocotools against faster-coco-eval on a synthetic COCO-si
 onnx: Pet's PyTorch models against their ONNX exports in onnxruntime, and with --int8 also PyTorch bfloat16 and the
 export quantized to int8 (tools/benchmarks/onnx.py).
 predict: tools/predict.py with the trained demo model: memory and images/s of a long stream against test_net,
-recall of tiled prediction on large generated scenes by merge, video frames/s (tools/benchmarks/predict.py).
+recall of tiled prediction on large generated scenes by merge, the same against SAHI's sliced prediction of the
+same model (--part sahi, run with a python that has sahi), video frames/s (tools/benchmarks/predict.py).
 Every table starts with the machine's fingerprint, which the JSON keeps with the command.
 """
 from __future__ import annotations

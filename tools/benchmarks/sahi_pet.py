@@ -1,0 +1,93 @@
+"""SAHI's sliced prediction of Pet's own model: the reference that ``benchmark.py predict --part sahi`` measures
+Pet's tiling against.
+
+Only that part imports this module, from a separate venv where sahi is installed: sahi is the yardstick here, not
+a dependency of Pet (and it pulls opencv-python, which would replace the project's opencv-python-headless).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from sahi.models.base import DetectionModel
+from sahi.predict import get_sliced_prediction
+from sahi.prediction import ObjectPrediction
+from sahi.slicing import get_slice_bboxes
+from sahi.utils.compatibility import fix_full_shape_list, fix_shift_amount_list
+
+from pet.engine.common import model_device
+from pet.predict import Detections, Predictor
+from pet.predict.sources import Collate, Preparer
+
+__all__ = ["PetDetectionModel", "sahi_grid", "sahi_predict"]
+
+
+class PetDetectionModel(DetectionModel):
+    """A :class:`Predictor` without tiles as a SAHI detection model.
+
+    Each slice, and SAHI's whole-image pass, goes through the predictor's test transform and precision as a
+    picture of Pet's own does, so SAHI and Pet's tiling differ only in how they slice and merge. The slices
+    SAHI hands over in one call (its ``batch_size``) run as one forward pass, as Pet's tiles do; a detection
+    is kept above ``confidence_threshold`` (SAHI's default 0.3), labelled with the model's category ids.
+    """
+
+    def __init__(self, predictor: Predictor, confidence_threshold: float = 0.3) -> None:
+        if predictor.tiles is not None:
+            raise ValueError("SAHI slices the picture itself: give it a Predictor without tiles.")
+        super().__init__(model=predictor, device=str(model_device(predictor.model)),
+                         confidence_threshold=confidence_threshold)
+
+    def set_model(self, model: Any, **kwargs: Any) -> None:
+        self.model = model
+        space = model.label_space
+        self.category_mapping = {str(i): name for i, name in zip(space.category_ids, space.names)}
+
+    def perform_inference(self, image: np.ndarray) -> None:
+        self._original_predictions = self._predict([image])
+
+    def perform_batch_inference(self, images: list[np.ndarray]) -> None:
+        self._original_predictions = self._predict(images)
+
+    def _predict(self, images: list[np.ndarray]) -> list[Detections]:
+        """RGB arrays (SAHI's convention) -> their detections in one forward pass: the stages Predictor.__call__
+        runs for one picture (it has no public call for a batch of arrays)."""
+        predictor: Predictor = self.model
+        prepare = Preparer(predictor.augmentations)
+        work = Collate(predictor.cfg.INPUT.SIZE_DIVISIBILITY, len(images), tiled=False)(
+            [prepare(image, "") for image in images])
+        return predictor._post(work, predictor._infer(work))
+
+    def _create_object_prediction_list_from_original_predictions(
+            self, shift_amount_list: list[list[int | float]] | None = None,
+            full_shape_list: list[list[int | float]] | None = None) -> None:
+        shifts = fix_shift_amount_list(shift_amount_list)
+        shapes = fix_full_shape_list(full_shape_list)
+        per_image = []
+        for k, det in enumerate(self._original_predictions):
+            keep = np.flatnonzero(det.scores > self.confidence_threshold)
+            per_image.append([
+                ObjectPrediction(bbox=det.boxes[i].tolist(), category_id=int(det.labels[i]), category_name=det.names[i],
+                                 score=float(det.scores[i]), shift_amount=shifts[k],
+                                 full_shape=None if shapes is None else shapes[k])
+                for i in keep])
+        self._object_prediction_list_per_image = per_image
+
+
+def sahi_grid(height: int, width: int, tile: int, overlap: float) -> np.ndarray:
+    """int64 [T, 4] the slices (x0, y0, x1, y1) SAHI cuts with ``tile`` px and ``overlap``, in its order."""
+    return np.array(get_slice_bboxes(height, width, tile, tile, auto_slice_resolution=False,
+                                     overlap_height_ratio=overlap, overlap_width_ratio=overlap), dtype=np.int64)
+
+
+def sahi_predict(model: PetDetectionModel, image: str, tile: int, overlap: float, *, batch: int,
+                 standard_pred: bool) -> Detections:
+    """``get_sliced_prediction`` of ``image`` (a file, decoded by SAHI) with SAHI's default merge (GREEDYNMM by
+    IOS 0.5, class-wise) and with or without its whole-image pass, as :class:`Detections` (best first)."""
+    result = get_sliced_prediction(image, model, slice_height=tile, slice_width=tile, overlap_height_ratio=overlap,
+                                   overlap_width_ratio=overlap, perform_standard_pred=standard_pred, batch_size=batch,
+                                   verbose=0)
+    found = sorted(result.object_prediction_list, key=lambda p: -p.score.value)
+    return Detections(boxes=np.array([p.bbox.to_xyxy() for p in found], dtype=np.float32).reshape(-1, 4),
+                      scores=np.array([p.score.value for p in found], dtype=np.float32),
+                      labels=np.array([p.category.id for p in found], dtype=np.int64),
+                      names=[p.category.name for p in found], path=image)
