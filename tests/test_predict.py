@@ -345,6 +345,16 @@ def test_a_model_without_a_label_space_falls_back_to_its_test_set_then_to_number
     assert [r.levelname for r in caplog.records] == ["WARNING"] and "class_1 .. class_3" in caplog.text
 
 
+def test_torchvisions_coco_weights_predict_with_cocos_names_and_ids(caplog):
+    """A torchvision COCO state_dict records nothing; the shipped COCO config names its 90 rows by category id
+    from COCO's list (known without any file), so label 1 is 'person' and label 90 'toothbrush'."""
+    cfg = load_cfg(os.path.join(ROOT, "cfgs", "coco", "faster_rcnn_R-50-FPN_1x.yaml"), [])
+    space = model_label_space(cfg, None, "tv.pth")
+    assert space.num_classes == 90 and space.category_ids == tuple(range(1, 91))
+    assert (space.name(1), space.name(13), space.name(90)) == ("person", "stop sign", "toothbrush")
+    assert "naming its labels after the categories of TEST.DATASETS[0] 'coco_2017_val'" in caplog.text
+
+
 def test_the_checkpoint_of_a_training_run_records_its_label_space(make_cfg):
     from pet.engine.resume import training_label_space
 
