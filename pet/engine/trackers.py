@@ -11,7 +11,8 @@ tracker writer does (:class:`TrackerWriter`):
   tracker's step is the ``iteration`` of ``metrics.json``, and so are the values;
 - so the last value of every scalar, the last validation metrics (``bbox/AP``, ...) included,
   is the run's final one: the summary of a W&B run, the metrics of an MLflow run;
-- when closed, logs ``curves.png`` (drawn by the writer closed before it) and ends the run,
+- when closed, logs ``curves.png`` (drawn by the curves writer, which closes before it: see
+  :attr:`pet.engine.events.EventWriter.close_order`) and ends the run,
   marked failed when training failed.
 
 A tracker that fails (unreachable, a full disk, a bug in its client) is logged once with its
@@ -29,14 +30,13 @@ import pathlib
 import re
 import sys
 import time
-from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
 import yaml
 
-from pet.engine.events import WRITERS, EventStorage, EventWriter, get_event_storage
+from pet.engine.events import WRITERS, EventWriter, get_event_storage
 from pet.utils.errors import ConfigError
 
 __all__ = ["TrackerWriter", "WandbWriter", "MLflowWriter"]
@@ -54,7 +54,7 @@ class TrackerWriter(EventWriter):
 
     ``final_files`` (relative to ``output_dir``) are logged when the writer is closed, those
     that exist then: ``curves.png`` by default, which the curves writer draws when it is
-    closed, before the ``TRAIN.WRITERS`` entries are.
+    closed, before any writer of the default ``close_order``.
     """
 
     def __init__(self, output_dir: str, window_size: int = 20, final_files: Sequence[str] = ("curves.png",)) -> None:
@@ -85,7 +85,7 @@ class TrackerWriter(EventWriter):
         if self._broken:
             return
         storage = kwargs.get("storage")
-        new = _new_scalars(storage if storage is not None else get_event_storage(), self.window_size, self._last_step)
+        new = (storage if storage is not None else get_event_storage()).scalars_since(self._last_step, self.window_size)
         with self._failsafe("logging"):
             if not self._running:
                 self._running = True  # from here on, close() ends what start_run opened
@@ -272,15 +272,6 @@ def _flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
             text = text[: _MAX_PARAM_CHARS - 3] + "..."
         params[_mlflow_name(name)] = text
     return params
-
-
-def _new_scalars(storage: EventStorage, window_size: int, after: int) -> dict[int, dict[str, float]]:
-    """``{iteration: {name: value}}`` of the scalars put after iteration ``after``, valued as in metrics.json."""
-    by_step: dict[int, dict[str, float]] = defaultdict(dict)
-    for name, (value, iteration) in storage.latest_with_smoothing_hint(window_size).items():
-        if iteration > after:
-            by_step[iteration][name] = value
-    return dict(sorted(by_step.items()))
 
 
 def _config_dict(trainer: Any) -> dict[str, Any]:

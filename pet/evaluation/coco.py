@@ -25,10 +25,10 @@ from fvcore.common.config import CfgNode
 
 from pet.evaluation.backends import COCOEvalResult, resolve_backend, run_cocoeval
 from pet.evaluation.diagnostics import write_diagnostics
-from pet.evaluation.files import write_json_atomic
 from pet.evaluation.voc import voc_evaluate
 from pet.utils import comm
 from pet.utils.errors import DataError
+from pet.utils.files import write_json_atomic
 from pet.utils.registry import EVALUATOR_REGISTRY
 from pet.utils.table import format_table
 

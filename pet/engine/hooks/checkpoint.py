@@ -17,12 +17,13 @@ from typing import Any
 import torch
 from fvcore.common.config import CfgNode
 
-from pet.engine.checkpoint import atomic_write_bytes, load_checkpoint, temporary_path, write_last_checkpoint
+from pet.engine.checkpoint import atomic_write_bytes, load_checkpoint, write_last_checkpoint
 from pet.engine.common import is_better, metric_rule
 from pet.engine.hooks.base import HOOKS, Priority, TrainerLike, TrainHook
 from pet.engine.hooks.evaluation import EvalHook
 from pet.utils import comm
 from pet.utils.errors import ConfigError, TrainingError
+from pet.utils.files import atomic_path
 
 __all__ = ["CheckpointHook", "BestCheckpointHook"]
 
@@ -193,18 +194,13 @@ class CheckpointHook(TrainHook):
         directory = self._dir(trainer)
         source = os.path.join(directory, self.last_saved_name)
         target = os.path.join(directory, "model_final.pth")
-        tmp = temporary_path(target)
         try:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            try:
-                os.link(source, tmp)
-            except OSError:
-                shutil.copyfile(source, tmp)
-            os.replace(tmp, target)
+            with atomic_path(target) as tmp:
+                try:
+                    os.link(source, tmp)
+                except OSError:
+                    shutil.copyfile(source, tmp)
         except OSError as exc:
-            if os.path.exists(tmp):
-                os.remove(tmp)
             raise TrainingError(f"Could not write {target}: {exc.strerror or exc}; {source} is complete") from exc
         logger.info(f"Final checkpoint {target} (= {self.last_saved_name})")
 

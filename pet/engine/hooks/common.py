@@ -14,7 +14,7 @@ from fvcore.nn.precise_bn import get_bn_modules, update_bn_stats
 
 from pet.data import build_train_loader
 from pet.engine.common import call_model
-from pet.engine.events import EventStorage, EventWriter, build_writers
+from pet.engine.events import EventStorage, EventWriter, build_writers, close_writers
 from pet.engine.hooks.base import HOOKS, Priority, TrainerLike, TrainHook
 from pet.utils import comm
 from pet.utils.errors import ConfigError
@@ -35,7 +35,7 @@ class PeriodicWriter(TrainHook):
 
     Runs after the hooks that put values in a step (timer, lr, evaluation) so a write
     sees that step complete. Writers are closed in ``after_train``, also on failure, each even when
-    another fails.
+    another fails, in their ``close_order`` (:func:`pet.engine.events.close_writers`).
     ``writers`` may be a function ``trainer -> writers``, called in ``before_train``
     once a resume has fixed ``trainer.start_iter`` (writers use it to continue their files).
     """
@@ -73,20 +73,7 @@ class PeriodicWriter(TrainHook):
             if storage.iter > self._last_written and storage.iter > trainer.start_iter:
                 self._write(trainer, storage)  # a run stopped early still logs its last state
         finally:
-            self._close_all()
-
-    def _close_all(self) -> None:
-        """Close every writer, even when one fails (a tracker after it still ends its run); then raise the first
-        failure."""
-        failures = []
-        for writer in self.writers:
-            try:
-                writer.close()
-            except Exception as exc:  # noqa: BLE001 - reported below, after the other writers closed
-                logger.error(f"Closing {type(writer).__name__} failed: {type(exc).__name__}: {exc}")
-                failures.append(exc)
-        if failures:
-            raise failures[0]
+            close_writers(self.writers)
 
     def _write(self, trainer: TrainerLike, storage: EventStorage) -> None:
         for writer in self.writers:
