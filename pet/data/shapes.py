@@ -102,7 +102,7 @@ def is_complete(root: str, params: dict[str, Any] | None = None) -> bool:
 @contextlib.contextmanager
 def _file_lock(path: str) -> Iterator[None]:
     try:
-        import fcntl
+        import fcntl  # POSIX only
     except ImportError:  # not POSIX: no cross-process lock, the rename still keeps sets whole
         yield
         return

@@ -64,7 +64,7 @@ DEFAULT_TRAIN_HOOKS: tuple[type[TrainHook], ...] = (
 
 
 def prepare_model(model: torch.nn.Module, cfg: CfgNode, device: torch.device | None = None) -> torch.nn.Module:
-    """``model`` (from :func:`pet.utils.registry.build_model`, or the caller's) on ``device`` (default:
+    """``model`` (from :func:`pet.modeling.build_model`, or the caller's) on ``device`` (default:
     ``DEVICE``) with ``MODEL.COMPILE`` applied."""
     model.to(device if device is not None else resolve_device(cfg.DEVICE))
     compile_submodules(model, cfg.MODEL.COMPILE)

@@ -2,6 +2,15 @@
 
 Kept free of the loop, the hooks and the test loop so every one of them can import it
 (``pet/engine`` is an acyclic graph of modules; this is one of its roots).
+
+**The model and the evaluator.** DESIGN.md asks two things at once: ``Trainer(cfg)`` and the test
+loop build the detector and the evaluator the config names, and ``pet/engine`` never imports
+``pet.modeling`` or ``pet.evaluation`` (the models never see the engine; evaluation uses the engine's
+callbacks). :func:`build_model` and :func:`build_evaluator` reconcile them: each finds the builder of
+the package that owns the registry (:mod:`pet.modeling.build`, :mod:`pet.evaluation.build`) by its
+dotted name on first use, as MMEngine finds a registry by its default scope. These two names are the
+only place the engine names those packages, and no import statement does; passing builders in from
+every entry point instead would leave ``Trainer(cfg)`` (DESIGN.md's contract) without one.
 """
 from __future__ import annotations
 
@@ -15,6 +24,7 @@ from typing import Any
 import torch
 
 from pet.utils.errors import ConfigError, TrainingError
+from pet.utils.registry import locate
 
 __all__ = [
     "resolve_device",
@@ -24,7 +34,23 @@ __all__ = [
     "flatten_metrics",
     "metric_rule",
     "is_better",
+    "build_model",
+    "build_evaluator",
 ]
+
+# The builders of the packages above the engine, by name (see the module docstring).
+MODEL_BUILDER = "pet.modeling.build.build_model"
+EVALUATOR_BUILDER = "pet.evaluation.build.build_evaluator"
+
+
+def build_model(cfg: Any) -> torch.nn.Module:
+    """The ``MODEL.META_ARCHITECTURE`` detector built from ``cfg``, on the CPU (:func:`pet.modeling.build_model`)."""
+    return locate(MODEL_BUILDER)(cfg)
+
+
+def build_evaluator(cfg: Any, dataset: Any, output_dir: str) -> Any:
+    """The ``TEST.EVALUATOR`` for ``dataset`` writing into ``output_dir`` (:func:`pet.evaluation.build_evaluator`)."""
+    return locate(EVALUATOR_BUILDER)(cfg, dataset, output_dir)
 
 
 def resolve_device(name: str) -> torch.device:

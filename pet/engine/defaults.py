@@ -21,13 +21,12 @@ from pet.data import register_custom_datasets
 from pet.data.workers import WORKER_DIED_EXIT_CODE, remedy, worker_death
 from pet.engine.build import prepare_model
 from pet.engine.checkpoint import write_failure_remedy
-from pet.engine.common import resolve_device, unwrap_model
+from pet.engine.common import build_model, resolve_device, unwrap_model
 from pet.engine.trainer import Trainer
 from pet.utils import comm
 from pet.utils.errors import PetError
 from pet.utils.logger import setup_logger
 from pet.utils.model_summary import log_model_summary
-from pet.utils.registry import build_model
 from pet.utils.weights import load_weights
 
 __all__ = [

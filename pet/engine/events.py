@@ -233,7 +233,7 @@ class TensorboardXWriter(EventWriter):
     """Writes every scalar with new values to TensorBoard event files under ``log_dir``."""
 
     def __init__(self, log_dir: str, window_size: int = 20, start_iter: int = 0) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package: only this writer does
 
         self.window_size = window_size
         self._writer = SummaryWriter(log_dir, purge_step=start_iter + 1 if start_iter else None)

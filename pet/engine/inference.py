@@ -18,11 +18,10 @@ from fvcore.common.config import CfgNode
 from pet.data import DatasetMapper, build_test_loader
 from pet.data.workers import watched
 from pet.engine.checkpoint import get_rng_state, set_rng_state
-from pet.engine.common import call_model, flatten_metrics, model_device
+from pet.engine.common import build_evaluator, call_model, flatten_metrics, model_device
 from pet.engine.precision import Precision, choose_precision
 from pet.engine.timing import InferenceTimer
 from pet.utils import comm
-from pet.utils.registry import EVALUATOR_REGISTRY
 from pet.utils.tensor import move_to_device
 from pet.utils.timers import activate
 
@@ -58,18 +57,6 @@ class TestCallback:
 
     def after_test(self, **kwargs: Any) -> None:
         """After the last batch, with ``results`` (predictions) and ``metrics``."""
-
-
-def build_evaluator(cfg: CfgNode, dataset: Any, output_dir: str) -> Evaluator:
-    """The ``TEST.EVALUATOR`` (a registry name or dotted path) for ``dataset``, writing into ``output_dir``.
-
-    A class with ``from_config(cfg, dataset, output_dir)`` is built through it (so it can read its
-    own keys); any other is called as ``cls(dataset, output_dir)``.
-    """
-    cls = EVALUATOR_REGISTRY.get(cfg.TEST.EVALUATOR)
-    if hasattr(cls, "from_config"):
-        return cls.from_config(cfg, dataset, output_dir)
-    return cls(dataset, output_dir)
 
 
 def _shard_range(data_loader: Any) -> tuple[int, int, int]:

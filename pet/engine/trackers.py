@@ -148,7 +148,7 @@ class WandbWriter(TrackerWriter):
         **init_kwargs: Any,
     ) -> None:
         try:
-            import wandb
+            import wandb  # optional ("wandb" extra): only this writer needs it
         except ImportError as exc:
             raise ConfigError(_missing_extra("WandbWriter", "wandb", exc)) from exc
         super().__init__(output_dir, window_size, final_files)
@@ -207,7 +207,7 @@ class MLflowWriter(TrackerWriter):
         final_files: Sequence[str] = ("curves.png",),
     ) -> None:
         try:
-            from mlflow.entities import Metric, Param
+            from mlflow.entities import Metric, Param  # optional ("mlflow" extra): only this writer needs it
             from mlflow.tracking import MlflowClient
         except ImportError as exc:
             raise ConfigError(_missing_extra("MLflowWriter", "mlflow", exc)) from exc

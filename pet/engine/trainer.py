@@ -26,7 +26,7 @@ from fvcore.common.config import CfgNode
 from pet.data import build_train_loader
 from pet.data.workers import WORKER_DIED_EXIT_CODE, fetch, remedy
 from pet.engine.build import build_train_hooks, prepare_model
-from pet.engine.common import resolve_device, unwrap_model
+from pet.engine.common import build_model, resolve_device, unwrap_model
 from pet.engine.events import EventStorage
 from pet.engine.hooks.base import HookDispatcher, TrainHook, get_priority
 from pet.engine.optim import build_lr_scheduler, build_optimizer
@@ -35,7 +35,6 @@ from pet.engine.resume import checkpoint_state, resume_or_load, save_checkpoint
 from pet.engine.step import TrainStep
 from pet.utils import comm
 from pet.utils.errors import ConfigError, TrainingError, TrainingInterrupted
-from pet.utils.registry import build_model
 from pet.utils.table import format_table
 from pet.utils.tensor import move_to_device
 

@@ -30,6 +30,7 @@ from fvcore.common.config import CfgNode
 from pet.config import load_cfg
 from pet.data import build_augmentations, read_image, register_custom_datasets
 from pet.data.categories import LabelSpace
+from pet.deploy.onnxruntime_model import OnnxRuntimeModel
 from pet.engine.common import call_model, model_device
 from pet.engine.defaults import build_test_model
 from pet.engine.inference import inference_precision
@@ -310,8 +311,6 @@ class Predictor:
 
 def _onnx_model(path: str) -> tuple[torch.nn.Module, list[dict[str, Any]] | None]:
     """The ONNX export at ``path`` in onnxruntime, and the label space its metadata records."""
-    from pet.deploy.onnxruntime_model import OnnxRuntimeModel  # only this backend needs onnxruntime installed
-
     if not os.path.isfile(path):
         raise ConfigError(f"ONNX model not found: {path} (write one with tools/export.py, or give --model FILE).")
     model = OnnxRuntimeModel(path, threads=torch.get_num_threads())
