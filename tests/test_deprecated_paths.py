@@ -13,6 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # old module -> (new module, a name both offer)
 MOVED = {
     "pet.evaluation.files": ("pet.utils.files", "write_json_atomic"),
+    "pet.engine.resume": ("pet.engine.checkpointer", "training_label_space"),
 }
 
 

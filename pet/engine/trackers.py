@@ -208,7 +208,7 @@ class MLflowWriter(TrackerWriter):
     ) -> None:
         try:
             from mlflow.entities import Metric, Param  # optional ("mlflow" extra): only this writer needs it
-            from mlflow.tracking import MlflowClient
+            from mlflow.tracking import MlflowClient  # the same extra
         except ImportError as exc:
             raise ConfigError(_missing_extra("MLflowWriter", "mlflow", exc)) from exc
         super().__init__(output_dir, window_size, final_files)

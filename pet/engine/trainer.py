@@ -4,7 +4,8 @@ Reading guide: :meth:`Trainer.train` is the whole loop and :meth:`Trainer._run_s
 iteration. What a step does (forward, backward, AMP, optimizer) is in
 :mod:`pet.engine.step`; what happens around it (schedules, logging, validation,
 checkpoints) is in hooks (:mod:`pet.engine.hooks`) called at fixed mount points, in
-priority order; what a checkpoint holds is in :mod:`pet.engine.resume`.
+priority order; checkpoints are written and read by ``trainer.checkpointer``
+(:mod:`pet.engine.checkpointer`).
 
 One counter: ``trainer.iter == storage.iter`` at every mount point. Inside a step it is
 the 1-based number of the running iteration; outside one, the number of iterations
@@ -26,12 +27,12 @@ from fvcore.common.config import CfgNode
 from pet.data import build_train_loader
 from pet.data.workers import WORKER_DIED_EXIT_CODE, fetch, remedy
 from pet.engine.build import build_train_hooks, prepare_model
+from pet.engine.checkpointer import Checkpointer
 from pet.engine.common import build_model, resolve_device, unwrap_model
 from pet.engine.events import EventStorage
 from pet.engine.hooks.base import HookDispatcher, TrainHook, get_priority
 from pet.engine.optim import build_lr_scheduler, build_optimizer
 from pet.engine.precision import choose_precision
-from pet.engine.resume import checkpoint_state, resume_or_load, save_checkpoint
 from pet.engine.step import TrainStep
 from pet.utils import comm
 from pet.utils.errors import ConfigError, TrainingError, TrainingInterrupted
@@ -102,6 +103,7 @@ class Trainer:
         self._loaded = False  # resume_or_load ran (train() runs it otherwise, as TRAIN.AUTO_RESUME says)
         self._signal_received = 0  # the signal number asking this process to stop (0: none)
         self._batches: Iterator[Any] = iter(())
+        self.checkpointer = Checkpointer(self)
         if default_hooks:
             self.register_hooks(build_train_hooks(cfg, self))
 
@@ -141,16 +143,7 @@ class Trainer:
     def hook_order_table(self) -> str:
         return format_table(("priority", "hook"), [(p, repr(h)) for p, h in zip(self._hook_priorities, self.hooks)])
 
-    # ------------------------------------------------------------------ checkpoints (in pet.engine.resume)
-    def checkpoint_state(self) -> dict[str, Any]:
-        """Everything needed to resume exactly: weights, optimizer, schedule, counters, RNG, hook state."""
-        return checkpoint_state(self)
-
-    def save_checkpoint(self, filename: str, *, state: dict[str, Any] | None = None, update_last: bool = True,
-                        save_dir: str | None = None) -> str:
-        """Write ``filename`` atomically (main process only); point ``last_checkpoint`` at it."""
-        return save_checkpoint(self, filename, state=state, update_last=update_last, save_dir=save_dir)
-
+    # ------------------------------------------------------------------ checkpoints (pet.engine.checkpointer)
     def resume_or_load(self, resume: bool = True, *, unsafe: bool = False, weights_only: bool = False) -> None:
         """Resume from ``last_checkpoint`` when ``resume`` and one exists; else load ``TRAIN.WEIGHTS``.
 
@@ -159,7 +152,7 @@ class Trainer:
         the optimizer's state (after changing the optimizer type).
         """
         self._loaded = True
-        resume_or_load(self, resume, unsafe=unsafe, weights_only=weights_only)
+        self.checkpointer.resume_or_load(resume, unsafe=unsafe, weights_only=weights_only)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> None:
@@ -349,15 +342,10 @@ class Trainer:
                             128 + signum)
 
     def _save_and_stop(self, reason: str, exit_code: int, advice: str = "") -> None:
-        """Save the iterations completed (through the hook that writes checkpoints, when there is one) and
-        raise :class:`TrainingInterrupted` with ``exit_code``: one line, the reason, the checkpoint, ``advice``.
-
-        A hook with ``save_now(trainer) -> path`` (CheckpointHook) saves where, and as, it
-        saves every checkpoint; without one the trainer writes ``model_iter{N}.pth`` to CKPT,
-        so a stopped run can always resume.
-        """
-        saver = next((hook for hook in self.hooks if callable(getattr(hook, "save_now", None))), None)
-        path = saver.save_now(self) if saver is not None else self.save_checkpoint(f"model_iter{self.iter}.pth")
+        """Save the iterations completed (:meth:`Checkpointer.save_for_stop`: through CheckpointHook's schedule
+        when there is one, else ``model_iter{N}.pth`` in CKPT, so a stopped run can always resume) and raise
+        :class:`TrainingInterrupted` with ``exit_code``: one line, the reason, the checkpoint, ``advice``."""
+        path = self.checkpointer.save_for_stop()
         advice = f" If it happens again: {advice}." if advice else ""
         raise TrainingInterrupted(f"{reason}; checkpoint {path}. Run the same command to resume from it.{advice}",
                                   exit_code=exit_code)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from enum import IntEnum
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from fvcore.common.config import CfgNode
@@ -23,6 +23,9 @@ from pet.engine.events import EventStorage
 from pet.utils.errors import ConfigError
 from pet.utils.registry import Registry
 from pet.utils.table import format_table
+
+if TYPE_CHECKING:  # the checkpointer's module builds on this one
+    from pet.engine.checkpointer import Checkpointer
 
 __all__ = ["Priority", "get_priority", "TrainHook", "TrainerLike", "HOOKS", "HookDispatcher", "MOUNT_POINTS"]
 
@@ -81,6 +84,7 @@ class TrainerLike(Protocol):
     ``start_iter`` in ``before_train``, and after a failure the last completed one).
     ``epoch`` is the 0-based index of the current epoch. ``stop_training``: set it to end
     the run cleanly after this step (validation and the final checkpoint still happen).
+    ``checkpointer`` (:class:`pet.engine.checkpointer.Checkpointer`) writes and reads every checkpoint.
     """
 
     cfg: CfgNode
@@ -102,12 +106,9 @@ class TrainerLike(Protocol):
     last_step_seconds: float
     last_data_seconds: float
 
+    checkpointer: Checkpointer
+
     def call_hooks(self, point: str, **kwargs: Any) -> None: ...
-
-    def checkpoint_state(self) -> dict[str, Any]: ...
-
-    def save_checkpoint(self, filename: str, *, state: dict[str, Any] | None = None, update_last: bool = True,
-                        save_dir: str | None = None) -> str: ...
 
 
 class TrainHook:
