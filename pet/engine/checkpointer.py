@@ -1,7 +1,8 @@
 """The Checkpointer: every checkpoint a training run writes or reads goes through it.
 
 A checkpoint holds everything an exact resume needs: weights, optimizer, LR schedule,
-GradScaler, the iteration counter, RNG states and every stateful hook's ``state_dict``; and, when
+GradScaler, the iteration counter, RNG states and every stateful hook's ``state_dict`` (keyed by
+:meth:`pet.engine.hooks.HookList.state_dicts`); and, when
 the training data has one, the label space (``"label_space"``: :meth:`LabelSpace.to_list`), so that
 tools/predict.py and tools/export.py name the model's detections without the dataset.
 
@@ -38,7 +39,7 @@ from pet.engine.checkpoint import (
     write_last_checkpoint,
 )
 from pet.engine.common import unwrap_model
-from pet.engine.hooks.base import TrainerLike, TrainHook
+from pet.engine.hooks.base import TrainerLike
 from pet.engine.optim import SCHEDULE_KEYS
 from pet.engine.step import TrainStep
 from pet.utils import comm
@@ -46,35 +47,15 @@ from pet.utils.errors import ConfigError, TrainingError
 from pet.utils.files import atomic_path
 from pet.utils.weights import load_weights
 
-__all__ = ["Checkpointer", "training_label_space", "stateful_hooks"]
+__all__ = ["Checkpointer", "training_label_space"]
 
 logger = logging.getLogger(__name__)
 
 
 class ResumableTrainer(TrainerLike, Protocol):
-    """What saving and resuming need beyond what hooks see: the step (its GradScaler) and the hooks
-    in registration order (their state keys)."""
+    """What saving and resuming need beyond what hooks see: the step (its GradScaler)."""
 
     train_step: TrainStep
-    hooks_in_registration_order: list[TrainHook]
-
-
-def stateful_hooks(hooks_in_registration_order: list[TrainHook]) -> list[tuple[str, TrainHook]]:
-    """``(key, hook)`` for each hook with a ``state_dict``: its class name, ``Name.1``, ... for repeats.
-
-    Keys follow registration order, not priority, so changing one hook's priority does
-    not swap the states of two hooks of the same class; the first hook of a class keeps
-    the plain name, so checkpoints from before repeats were keyed load.
-    """
-    seen: dict[str, int] = {}
-    keyed = []
-    for hook in hooks_in_registration_order:
-        if hasattr(hook, "state_dict"):
-            name = type(hook).__name__
-            repeat = seen.get(name, 0)
-            seen[name] = repeat + 1
-            keyed.append((f"{name}.{repeat}" if repeat else name, hook))
-    return keyed
 
 
 class Checkpointer:
@@ -106,7 +87,7 @@ class Checkpointer:
             "iter": trainer.iter,
             "epoch": trainer.epoch,
             "rng": get_rng_state(),
-            "hooks": {key: hook.state_dict() for key, hook in stateful_hooks(trainer.hooks_in_registration_order)},
+            "hooks": trainer.hooks.state_dicts(),
             "optimizer_class": type(trainer.optimizer).__name__,
             "schedule": self._schedule(),
         }
@@ -244,10 +225,7 @@ class Checkpointer:
         trainer.epoch = trainer.start_iter // trainer.iters_per_epoch if trainer.iters_per_epoch else 0
         if "rng" in state:
             set_rng_state(state["rng"])
-        hook_states = state.get("hooks", {})
-        for key, hook in stateful_hooks(trainer.hooks_in_registration_order):
-            if hook_states.get(key) is not None and hasattr(hook, "load_state_dict"):
-                hook.load_state_dict(hook_states[key])
+        trainer.hooks.load_state_dicts(state.get("hooks", {}))
         _log_schedule_changes(state.get("schedule"), self._schedule(), trainer.start_iter)
         trainer.call_hooks("after_load_checkpoint", checkpoint=state)
 

@@ -3,9 +3,9 @@
 "resume" though it also saved."""
 import warnings
 
-from pet.engine.checkpointer import stateful_hooks, training_label_space
+from pet.engine.checkpointer import training_label_space
 
-__all__ = ["training_label_space", "stateful_hooks"]
+__all__ = ["training_label_space"]
 
 warnings.warn("pet.engine.resume is deprecated; use pet.engine.checkpointer (trainer.checkpointer)",
               DeprecationWarning, stacklevel=2)

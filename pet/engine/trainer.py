@@ -30,13 +30,12 @@ from pet.engine.build import build_train_hooks, prepare_model
 from pet.engine.checkpointer import Checkpointer
 from pet.engine.common import build_model, resolve_device, unwrap_model
 from pet.engine.events import EventStorage
-from pet.engine.hooks.base import HookDispatcher, TrainHook, get_priority
+from pet.engine.hooks.base import HookList, TrainHook
 from pet.engine.optim import build_lr_scheduler, build_optimizer
 from pet.engine.precision import choose_precision
 from pet.engine.step import TrainStep
 from pet.utils import comm
 from pet.utils.errors import ConfigError, TrainingError, TrainingInterrupted
-from pet.utils.table import format_table
 from pet.utils.tensor import move_to_device
 
 __all__ = ["Trainer"]
@@ -96,10 +95,7 @@ class Trainer:
         self.stop_training = False
         self.last_step_seconds = 0.0
         self.last_data_seconds = 0.0
-        self.hooks: list[TrainHook] = []
-        self.hooks_in_registration_order: list[TrainHook] = []
-        self._hook_priorities: list[int] = []
-        self._dispatch = HookDispatcher([])
+        self.hooks = HookList()
         self._loaded = False  # resume_or_load ran (train() runs it otherwise, as TRAIN.AUTO_RESUME says)
         self._signal_received = 0  # the signal number asking this process to stop (0: none)
         self._batches: Iterator[Any] = iter(())
@@ -119,14 +115,7 @@ class Trainer:
     # ------------------------------------------------------------------ hooks
     def register_hook(self, hook: TrainHook, priority: int | str | None = None) -> None:
         """Insert ``hook`` by priority (its own, or ``priority``); equal priorities keep registration order."""
-        value = get_priority(priority if priority is not None else hook.priority)
-        if priority is not None:
-            hook.priority = value
-        position = sum(1 for p in self._hook_priorities if p <= value)
-        self.hooks.insert(position, hook)
-        self._hook_priorities.insert(position, value)
-        self.hooks_in_registration_order.append(hook)
-        self._dispatch = HookDispatcher(self.hooks)
+        self.hooks.add(hook, priority)
 
     def register_hooks(self, hooks: Iterable[TrainHook | None]) -> None:
         for hook in hooks:
@@ -138,10 +127,7 @@ class Trainer:
         if self.max_epochs > 0:
             kwargs.setdefault("epoch", self.epoch)
             kwargs.setdefault("max_epochs", self.max_epochs)
-        self._dispatch(point, trainer=self, storage=self.storage, **kwargs)
-
-    def hook_order_table(self) -> str:
-        return format_table(("priority", "hook"), [(p, repr(h)) for p, h in zip(self._hook_priorities, self.hooks)])
+        self.hooks(point, trainer=self, storage=self.storage, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints (pet.engine.checkpointer)
     def resume_or_load(self, resume: bool = True, *, unsafe: bool = False, weights_only: bool = False) -> None:
@@ -159,7 +145,7 @@ class Trainer:
         """Run from ``start_iter`` to ``max_iter``; ``after_train`` runs even when a step fails."""
         if not self._loaded:
             self.resume_or_load(resume=self.cfg.TRAIN.AUTO_RESUME)
-        logger.info(f"Hooks in call order:\n{self.hook_order_table()}")
+        logger.info(f"Hooks in call order:\n{self.hooks.order_table()}")
         logger.info(f"Starting training from iteration {self.start_iter} to {self.max_iter}")
         self.model.train()
         self.storage = EventStorage(self.start_iter)
@@ -186,7 +172,7 @@ class Trainer:
                 self.call_hooks("after_train")
             finally:
                 if comm.is_main_process():
-                    logger.info(f"Time spent in hooks:\n{self._dispatch.cost_table()}")
+                    logger.info(f"Time spent in hooks:\n{self.hooks.cost_table()}")
 
     def _iters_per_epoch(self) -> int:
         """Iterations in one pass over the loader (a last group of fewer than ACCUM_STEPS batches is dropped)."""

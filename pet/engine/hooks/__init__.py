@@ -19,7 +19,7 @@ Default order (lower priority value runs first; equal values keep this order):
     90        CheckpointHook      always (late: a checkpoint holds the whole step)
     90        BestCheckpointHook  HOOKS.CHECKPOINT.SAVE_BEST
 """
-from pet.engine.hooks.base import HOOKS, MOUNT_POINTS, HookDispatcher, Priority, TrainerLike, TrainHook, get_priority
+from pet.engine.hooks.base import HOOKS, MOUNT_POINTS, HookList, Priority, TrainerLike, TrainHook, get_priority
 from pet.engine.hooks.checkpoint import BestCheckpointHook, CheckpointHook
 from pet.engine.hooks.common import IterationTimer, LRScheduler, PeriodicWriter, PreciseBN
 from pet.engine.hooks.early_stopping import EarlyStoppingHook
@@ -37,7 +37,7 @@ __all__ = [
     "TrainerLike",
     "TestHook",
     "TestCallback",
-    "HookDispatcher",
+    "HookList",
     "PeriodicWriter",
     "IterationTimer",
     "LRScheduler",
