@@ -80,7 +80,7 @@ def inference_on_dataset(
 
     ``precision`` (from :func:`inference_precision`) autocasts the model's forward; float32 when not given.
 
-    ``test_hook`` (a :class:`pet.engine.hooks.TestHook` or any InferenceTimer) times the
+    ``test_hook`` (an InferenceTimer, or a :class:`pet.engine.hooks.TestHook`, which offers its timer's API) times the
     stages (per batch: data, infer, post; iter = all three plus the loop itself); the
     periodic ``[Testing]`` line also shows any extra timers (for example ``timed("rpn")``
     in model code). It receives the callbacks too when it is a TestCallback; ``hooks``
@@ -90,9 +90,7 @@ def inference_on_dataset(
     callbacks = [hook for hook in (test_hook, *hooks) if isinstance(hook, TestCallback)]
     device = model_device(model)
     precision = precision or Precision(device.type, None, False, "no precision given")
-    test_hook.cuda_sync = device.type == "cuda"
-    test_hook.device = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    test_hook.ims_per_batch = getattr(data_loader, "batch_size", None) or 1
+    test_hook.configure(device, getattr(data_loader, "batch_size", None) or 1)
     start, end, total = _shard_range(data_loader)
 
     evaluator.reset()
@@ -103,31 +101,24 @@ def inference_on_dataset(
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.inference_mode())
         stack.enter_context(activate(test_hook))
-        test_hook.iter_tic()
-        test_hook.data_tic()
+        test_hook.tic("iter")
+        test_hook.tic("data")
         for index, batch in enumerate(watched(data_loader), 1):
-            test_hook.data_toc()
-
-            test_hook.infer_tic()
-            batch = move_to_device(batch, device)
-            with precision.autocast():
-                outputs = call_model(model, batch)
-            test_hook.wait()
-            test_hook.infer_toc()
-
-            test_hook.post_tic()
-            evaluator.process(batch, outputs)
-            for hook in callbacks:
-                hook.after_test_iter(inputs=batch, outputs=outputs)
-            test_hook.post_toc()
-
+            test_hook.toc("data")
+            with test_hook.stage("infer", wait=True):
+                batch = move_to_device(batch, device)
+                with precision.autocast():
+                    outputs = call_model(model, batch)
+            with test_hook.stage("post"):
+                evaluator.process(batch, outputs)
+                for hook in callbacks:
+                    hook.after_test_iter(inputs=batch, outputs=outputs)
             # The next iteration's clock starts as this one stops, so iterations tile the loop: logging and
             # anything else between batches is counted, and iter x batches is the loop's wall time.
-            test_hook.iter_toc()
-            test_hook.iter_tic()
-            test_hook.log_stats(index, start, end, total, test_hook.ims_per_batch,
-                                log_all=bool(test_hook.extra_timers))
-            test_hook.data_tic()
+            test_hook.toc("iter")
+            test_hook.tic("iter")
+            test_hook.log_progress(index, start, end, total)
+            test_hook.tic("data")
     model.train(was_training)
 
     metrics = evaluator.evaluate()

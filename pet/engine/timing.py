@@ -5,11 +5,11 @@ drives; :class:`pet.engine.hooks.TestHook` adds the test callbacks to it.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
-import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -57,23 +57,25 @@ class StageTimer:
 
 
 class InferenceTimer:
-    """Inference-speed tracker with Pet's tic/toc API.
+    """The stage timer of an inference loop: named stages, timed per iteration, warm-up excluded.
 
-    Timers ``iter``, ``data``, ``infer`` and ``post`` exist by default; others are
-    created by ``add_timer`` or on first ``tic``. Every timer ``name`` has the shortcuts
-    ``name_tic()`` / ``name_toc()``. The first ``num_warmup`` iterations (an iteration
-    ends at ``toc("iter")``) are excluded from every timer. ``wait()`` synchronises CUDA
-    only when the model runs on a CUDA device, so CPU timing pays nothing for it.
+    Stages ``iter``, ``data``, ``infer`` and ``post`` exist by default; others are created by
+    ``add_timer`` or on first use (``timed("rpn")`` in model code, see :mod:`pet.utils.timers`).
+    A stage is timed by ``with timer.stage("infer", wait=True):`` (``wait``: synchronise CUDA before
+    it stops, so queued kernels are counted), or by ``tic(name)`` / ``toc(name)`` where a stage
+    straddles a loop statement (the data fetch, the iteration). The first ``num_warmup``
+    iterations (an iteration ends at ``toc("iter")``) are excluded from every stage.
 
-    ``clock`` (keyword only) is the time source of every timer, ``time.perf_counter``
-    by default; a test can pass a fake clock that advances only when it says so.
+    Configuration comes through the constructor (``logperiod``, ``num_warmup``, ``clock``: the
+    time source, ``time.perf_counter`` by default, a fake one in tests) and, once the loop knows
+    them, :meth:`configure` (the model's device and the images per iteration).
+    :class:`pet.engine.hooks.TestHook` is the Pet-style hook over it.
     """
 
     DEFAULT_TIMERS = ("iter", "data", "infer", "post")
 
-    def __init__(self, cfg_filename: str | None = None, logperiod: int = 10, num_warmup: int = 5, *,
+    def __init__(self, logperiod: int = 10, num_warmup: int = 5, *,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        self.cfg_filename = cfg_filename
         self.clock = clock
         self.logperiod = logperiod
         self.num_warmup = num_warmup
@@ -85,13 +87,17 @@ class InferenceTimer:
         for name in self.DEFAULT_TIMERS:
             self.add_timer(name)
 
+    def configure(self, device: torch.device, ims_per_batch: int) -> None:
+        """The loop's device (CUDA: ``wait`` synchronises; the summary names the GPU) and images per iteration."""
+        self.cuda_sync = device.type == "cuda"
+        self.device = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        self.ims_per_batch = ims_per_batch
+
     # ----------------------------------------------------------------- timers
     def add_timer(self, name: str) -> StageTimer:
-        """The timer ``name``, created (with its ``name_tic`` / ``name_toc`` shortcuts) if new."""
+        """The timer ``name``, created if new."""
         if name not in self.timers:
             self.timers[name] = StageTimer(self.clock)
-            setattr(self, f"{name}_tic", functools.partial(self.tic, name))
-            setattr(self, f"{name}_toc", functools.partial(self.toc, name))
         return self.timers[name]
 
     def reset_timer(self, name: str | None = None) -> None:
@@ -117,43 +123,44 @@ class InferenceTimer:
             self.num_iters_done += 1
         return elapsed
 
+    @contextlib.contextmanager
+    def stage(self, name: str, *, wait: bool = False) -> Iterator[None]:
+        """Time the block as stage ``name`` (``wait``: synchronise CUDA before stopping); a block that raises
+        is not recorded."""
+        self.tic(name)
+        yield
+        if wait:
+            self.wait()
+        self.toc(name)
+
     def wait(self) -> None:
         """Block until queued CUDA work is done, so the next ``toc`` measures it."""
         if self.cuda_sync:
             torch.cuda.synchronize()
 
     # ----------------------------------------------------------------- reports
-    def log_stats(
-        self,
-        cur_idx: int,
-        start_ind: int,
-        end_ind: int,
-        total_num_images: int,
-        ims_per_gpu: int = 1,
-        suffix: str | None = None,
-        log_all: bool = False,
-    ) -> None:
-        """Log ``[Testing][range:a-b of N][i/n][T s = D s + I s + P s][eta: ...]`` every logperiod batches.
+    def log_progress(self, batch: int, start: int, end: int, total: int, *, extras: bool = True,
+                     suffix: str = "") -> None:
+        """Log ``[Testing][range:a-b of N][i/n][T s = D s + I s + P s][eta: ...]`` after batch number ``batch``
+        of the shard ``start``-``end`` of ``total`` images, every ``logperiod`` batches and at the last.
 
-        Times are per image, averaged over the timed (non-warm-up) iterations. ``log_all``
-        adds ``[name: X s]`` for each extra timer, before the ETA.
+        Times are per image, averaged over the timed (non-warm-up) iterations. ``extras`` adds
+        ``[name: X s]`` for each extra timer, before the ETA; ``suffix`` ends the line.
         """
-        num_batches = -(-(end_ind - start_ind) // ims_per_gpu)
-        if cur_idx % self.logperiod and cur_idx != num_batches:
+        per_batch = self.ims_per_batch
+        num_batches = -(-(end - start) // per_batch)
+        if batch % self.logperiod and batch != num_batches:
             return
-        per_image = {name: timer.average / ims_per_gpu for name, timer in self.timers.items()}
-        eta = per_image["iter"] * max(end_ind - start_ind - cur_idx * ims_per_gpu, 0)
+        per_image = {name: timer.average / per_batch for name, timer in self.timers.items()}
+        eta = per_image["iter"] * max(end - start - batch * per_batch, 0)
         line = (
-            f"[Testing][range:{start_ind + 1}-{end_ind} of {total_num_images}][{cur_idx}/{num_batches}]"
+            f"[Testing][range:{start + 1}-{end} of {total}][{batch}/{num_batches}]"
             f"[{per_image['iter']:.3f}s = {per_image['data']:.3f}s + {per_image['infer']:.3f}s"
             f" + {per_image['post']:.3f}s]"
         )
-        if log_all:
+        if extras:
             line += "".join(f"[{name}: {per_image[name]:.3f}s]" for name in self.extra_timers)
-        line += f"[eta: {datetime.timedelta(seconds=int(eta))}]"
-        if suffix:
-            line += suffix
-        logger.info(line)
+        logger.info(line + f"[eta: {datetime.timedelta(seconds=int(eta))}]" + suffix)
 
     def speed_summary(self) -> dict[str, Any]:
         """Per-image mean / p50 / p90 (ms) of every timer that ran, images/s, batch size and device."""
