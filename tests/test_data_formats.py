@@ -20,7 +20,7 @@ from pet.config import load_cfg
 from pet.data import build_train_loader, get_dataset
 from pet.data.catalog import register_dataset
 from pet.data.formats import image_size, read_csv, read_yolo
-from pet.engine.defaults import seed_everything
+from pet.engine.cli import seed_everything
 from pet.engine.trainer import Trainer
 from pet.modeling import build_model
 from pet.utils.errors import DataError

@@ -14,6 +14,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MOVED = {
     "pet.evaluation.files": ("pet.utils.files", "write_json_atomic"),
     "pet.engine.resume": ("pet.engine.checkpointer", "training_label_space"),
+    "pet.engine.common": ("pet.engine.models", "unwrap_model"),
+    "pet.engine.timing": ("pet.engine.inference_timer", "InferenceTimer"),
+    "pet.engine.defaults": ("pet.engine.cli", "build_trainer"),
+    "pet.engine.hooks.test_hook": ("pet.engine.hooks", "TestHook"),
+    "pet.engine.hooks.misc": ("pet.engine.hooks", "ProfilerHook"),
+    "pet.engine.hooks.common": ("pet.engine.hooks", "PreciseBN"),
 }
 
 

@@ -1,7 +1,7 @@
 """Everything set up from the config before a run: the model's placement, the hooks, the test callbacks.
 
 :class:`pet.engine.trainer.Trainer` builds what it is not given through these functions,
-and so do tools/train_net.py and tools/test_net.py (through :mod:`pet.engine.defaults`),
+and so do tools/train_net.py and tools/test_net.py (through :mod:`pet.engine.cli`),
 so a config key means the same on every path.
 """
 from __future__ import annotations
@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from fvcore.common.config import CfgNode
 
-from pet.engine.common import resolve_device
 from pet.engine.events import writer_class
 from pet.engine.hooks import (
     HOOKS,
@@ -34,6 +33,7 @@ from pet.engine.hooks import (
     TrainHook,
     get_priority,
 )
+from pet.engine.models import resolve_device
 from pet.utils.compile import compile_submodules
 from pet.utils.errors import ConfigError
 from pet.utils.registry import build_from_spec

@@ -38,8 +38,8 @@ from pet.engine.checkpoint import (
     set_rng_state,
     write_last_checkpoint,
 )
-from pet.engine.common import unwrap_model
 from pet.engine.hooks.base import TrainerLike
+from pet.engine.models import unwrap_model
 from pet.engine.optim import SCHEDULE_KEYS
 from pet.engine.step import TrainStep
 from pet.utils import comm

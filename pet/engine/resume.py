@@ -3,9 +3,7 @@
 "resume" though it also saved."""
 import warnings
 
-from pet.engine.checkpointer import training_label_space
-
-__all__ = ["training_label_space"]
+from pet.engine.checkpointer import training_label_space  # noqa: F401
 
 warnings.warn("pet.engine.resume is deprecated; use pet.engine.checkpointer (trainer.checkpointer)",
               DeprecationWarning, stacklevel=2)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pet.engine.common import call_model
+from pet.engine.models import call_model
 from pet.engine.precision import Precision
 from pet.utils import comm
 from pet.utils.errors import TrainingError

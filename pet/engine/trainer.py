@@ -28,9 +28,9 @@ from pet.data import build_train_loader
 from pet.data.workers import WORKER_DIED_EXIT_CODE, fetch, remedy
 from pet.engine.build import build_train_hooks, prepare_model
 from pet.engine.checkpointer import Checkpointer
-from pet.engine.common import build_model, resolve_device, unwrap_model
 from pet.engine.events import EventStorage
 from pet.engine.hooks.base import HookList, TrainHook
+from pet.engine.models import build_model, resolve_device, unwrap_model
 from pet.engine.optim import build_lr_scheduler, build_optimizer
 from pet.engine.precision import choose_precision
 from pet.engine.step import TrainStep

@@ -5,8 +5,7 @@ DeprecationWarning. Files are now staged as ``name.tmp<pid>`` (see :mod:`pet.uti
 """
 import warnings
 
-from pet.utils.files import atomic_open, atomic_path, write_bytes_atomic, write_json_atomic
+from pet.utils.files import atomic_open, atomic_path, write_bytes_atomic, write_json_atomic  # noqa: F401
 
-__all__ = ["atomic_path", "atomic_open", "write_bytes_atomic", "write_json_atomic"]
-
-warnings.warn("pet.evaluation.files is deprecated; import from pet.utils.files", DeprecationWarning, stacklevel=2)
+warnings.warn("pet.evaluation.files is deprecated; import from pet.utils.files",
+              DeprecationWarning, stacklevel=2)

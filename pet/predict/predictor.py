@@ -31,11 +31,11 @@ from pet.config import load_cfg
 from pet.data import build_augmentations, read_image, register_custom_datasets
 from pet.data.categories import LabelSpace
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel
-from pet.engine.common import call_model, model_device
-from pet.engine.defaults import build_test_model
+from pet.engine.cli import build_test_model
 from pet.engine.inference import inference_precision
+from pet.engine.inference_timer import InferenceTimer
+from pet.engine.models import call_model, model_device
 from pet.engine.precision import Precision
-from pet.engine.timing import InferenceTimer
 from pet.predict.labels import ONNX_METADATA_KEY, label_space_from_checkpoint, model_label_space
 from pet.predict.sources import Collate, Picture, Preparer, Source, Work, build_loader
 from pet.predict.tiling import TileSpec, merge_tiles

@@ -14,9 +14,9 @@ from typing import Any
 
 from fvcore.common.config import CfgNode
 
-from pet.engine.common import is_better, metric_rule
 from pet.engine.hooks.base import HOOKS, Priority, TrainerLike, TrainHook
 from pet.engine.hooks.evaluation import EvalHook
+from pet.engine.metrics import is_better, metric_rule
 from pet.utils import comm
 from pet.utils.errors import ConfigError
 
@@ -188,7 +188,7 @@ class BestCheckpointHook(TrainHook):
 
     ``metrics``: validation metric names (``"auto"``: the first metric of the first
     validation); ``rule``: ``"greater"`` / ``"less"`` for all of them or one per metric,
-    empty to infer it from the name (see :func:`pet.engine.common.metric_rule`). The file
+    empty to infer it from the name (see :func:`pet.engine.metrics.metric_rule`). The file
     holds the full training state plus ``"best": {metric, value, iter}``; it never counts
     towards CheckpointHook's ``max_keep``, and ``last_checkpoint`` never names it.
 

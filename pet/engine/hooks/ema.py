@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from fvcore.common.config import CfgNode
 
-from pet.engine.common import unwrap_model
 from pet.engine.hooks.base import HOOKS, Priority, TrainerLike, TrainHook
+from pet.engine.models import unwrap_model
 from pet.utils.errors import ConfigError
 
 __all__ = ["EMAHook"]

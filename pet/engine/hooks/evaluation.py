@@ -10,9 +10,10 @@ from typing import Any
 from fvcore.common.config import CfgNode
 
 from pet.data.build import per_process_batch_size
-from pet.engine.common import flatten_metrics, unwrap_model
 from pet.engine.hooks.base import HOOKS, Priority, TrainerLike, TrainHook
 from pet.engine.inference import evaluate_on_datasets
+from pet.engine.metrics import flatten_metrics
+from pet.engine.models import unwrap_model
 from pet.utils import comm
 
 __all__ = ["EvalHook", "default_eval_function"]
