@@ -26,6 +26,7 @@ from pet.utils.table import format_table
 
 if TYPE_CHECKING:  # the checkpointer's module builds on this one
     from pet.engine.checkpointer import Checkpointer
+    from pet.engine.loops import TrainLoop
 
 __all__ = ["Priority", "get_priority", "TrainHook", "TrainerLike", "HOOKS", "HookList", "MOUNT_POINTS"]
 
@@ -84,7 +85,8 @@ class TrainerLike(Protocol):
     ``start_iter`` in ``before_train``, and after a failure the last completed one).
     ``epoch`` is the 0-based index of the current epoch. ``stop_training``: set it to end
     the run cleanly after this step (validation and the final checkpoint still happen).
-    ``checkpointer`` (:class:`pet.engine.checkpointer.Checkpointer`) writes and reads every checkpoint.
+    ``checkpointer`` (:class:`pet.engine.checkpointer.Checkpointer`) writes and reads every checkpoint;
+    ``loop`` (:mod:`pet.engine.loops`) is the mode: ``loop.ends_period(iteration, n)`` counts in its unit.
     """
 
     cfg: CfgNode
@@ -107,6 +109,7 @@ class TrainerLike(Protocol):
     last_data_seconds: float
 
     checkpointer: Checkpointer
+    loop: TrainLoop
 
     def call_hooks(self, point: str, **kwargs: Any) -> None: ...
 

@@ -68,11 +68,7 @@ class EvalHook(TrainHook):
     def after_step(self, trainer: TrainerLike, **kwargs: Any) -> None:
         # Epoch mode validates in the step that ends the epoch (not in after_epoch), so the
         # writers and CheckpointHook of this very step see the metrics.
-        if trainer.max_epochs > 0:
-            due = self.every_n_epochs(trainer, self.period) or (
-                self.is_epoch_end(trainer) and self.epochs_completed(trainer) >= trainer.max_epochs)
-        else:
-            due = self.every_n_iters(trainer, self.period) or self.is_last_iter(trainer)
+        due = trainer.loop.ends_period(trainer.iter, self.period) or self.is_last_iter(trainer)
         if due or trainer.stop_training:
             self.evaluate(trainer)
 
