@@ -16,7 +16,7 @@ MOVED = {
     "pet.engine.resume": ("pet.engine.checkpointer", "training_label_space"),
     "pet.engine.common": ("pet.engine.models", "unwrap_model"),
     "pet.engine.timing": ("pet.engine.inference_timer", "InferenceTimer"),
-    "pet.engine.defaults": ("pet.engine.cli", "build_trainer"),
+    "pet.engine.defaults": ("pet.cli", "build_trainer"),
     "pet.engine.hooks.test_hook": ("pet.engine.hooks", "TestHook"),
     "pet.engine.hooks.misc": ("pet.engine.hooks", "ProfilerHook"),
     "pet.engine.hooks.common": ("pet.engine.hooks", "PreciseBN"),

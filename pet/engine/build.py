@@ -1,7 +1,7 @@
 """Everything set up from the config before a run: the model's placement, the hooks, the test callbacks.
 
 :class:`pet.engine.trainer.Trainer` builds what it is not given through these functions,
-and so do tools/train_net.py and tools/test_net.py (through :mod:`pet.engine.cli`),
+and so do tools/train_net.py and tools/test_net.py (through :mod:`pet.cli`),
 so a config key means the same on every path.
 """
 from __future__ import annotations

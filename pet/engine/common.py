@@ -1,5 +1,4 @@
-"""Deprecated: split into :mod:`pet.engine.models` (devices, building and calling
-the model) and :mod:`pet.engine.metrics` (metric names and rules)."""
+"""Deprecated: split into :mod:`pet.engine.models` (the model) and :mod:`pet.engine.metrics` (metric rules)."""
 import warnings
 
 from pet.engine.metrics import flatten_metrics, is_better, metric_rule  # noqa: F401

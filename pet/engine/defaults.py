@@ -1,17 +1,6 @@
-"""Deprecated: the command-line set-up moved to :mod:`pet.engine.cli` (this name was
-also that of pet.config.defaults)."""
+"""Deprecated: the command-line set-up moved to :mod:`pet.cli`, outside the engine (this name was pet.config's)."""
 import warnings
 
-from pet.engine.cli import (  # noqa: F401
-    build_test_model,
-    build_trainer,
-    default_argument_parser,
-    default_setup,
-    distributed_backend,
-    init_distributed,
-    launch_cli,
-    seed_everything,
-)
+from pet.cli import *  # noqa: F403 - its public names, as this module had them
 
-warnings.warn("pet.engine.defaults is deprecated; import from pet.engine.cli",
-              DeprecationWarning, stacklevel=2)
+warnings.warn("pet.engine.defaults is deprecated; import from pet.cli", DeprecationWarning, stacklevel=2)

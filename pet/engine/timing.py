@@ -1,5 +1,4 @@
-"""Deprecated: the inference timer moved to :mod:`pet.engine.inference_timer` (beside
-:mod:`pet.utils.timers`, the name said less than it holds)."""
+"""Deprecated: moved to :mod:`pet.engine.inference_timer` (beside utils/timers.py, the name said too little)."""
 import warnings
 
 from pet.engine.inference_timer import InferenceTimer, StageTimer  # noqa: F401

@@ -1,8 +1,6 @@
-"""Deprecated: EmptyCacheHook, SyncBuffersHook and ProfilerHook moved to
-:mod:`pet.engine.hooks.system`; ``from pet.engine.hooks import ...`` is the public path."""
+"""Deprecated: moved to :mod:`pet.engine.hooks.system`."""
 import warnings
 
 from pet.engine.hooks.system import EmptyCacheHook, ProfilerHook, SyncBuffersHook, all_reduce_buffers  # noqa: F401
 
-warnings.warn("pet.engine.hooks.misc is deprecated; import from pet.engine.hooks",
-              DeprecationWarning, stacklevel=2)
+warnings.warn("pet.engine.hooks.misc is deprecated; import from pet.engine.hooks", DeprecationWarning, stacklevel=2)

@@ -1,5 +1,4 @@
-"""Deprecated: TestHook moved to :mod:`pet.engine.hooks.inference_speed` (the name read as
-a test file); ``from pet.engine.hooks import TestHook`` is the public path."""
+"""Deprecated: moved to :mod:`pet.engine.hooks.inference_speed` (the name read as a test file)."""
 import warnings
 
 from pet.engine.hooks.inference_speed import StageTimer, TestCallback, TestHook  # noqa: F401

@@ -1,5 +1,9 @@
-"""What train_net.py and test_net.py share: argument parsing, set-up, building the trainer or
-the test model from the config, and clean failure."""
+"""What the entry points (tools/*.py) share: argument parsing, set-up, building the trainer or the
+test model from the config, and clean failure.
+
+Outside :mod:`pet.engine`: it sets up a whole run (config, process group, logging, datasets) and builds
+the model through :mod:`pet.modeling`, which the engine never imports.
+"""
 from __future__ import annotations
 
 import argparse
@@ -21,8 +25,9 @@ from pet.data import register_custom_datasets
 from pet.data.workers import WORKER_DIED_EXIT_CODE, remedy, worker_death
 from pet.engine.build import prepare_model
 from pet.engine.checkpoint import write_failure_remedy
-from pet.engine.models import build_model, resolve_device, unwrap_model
+from pet.engine.models import resolve_device, unwrap_model
 from pet.engine.trainer import Trainer
+from pet.modeling import build_model
 from pet.utils import comm
 from pet.utils.errors import PetError
 from pet.utils.logger import setup_logger
@@ -37,6 +42,7 @@ __all__ = [
     "launch_cli",
     "init_distributed",
     "distributed_backend",
+    "seed_everything",
 ]
 
 logger = logging.getLogger(__name__)
