@@ -46,7 +46,11 @@ __all__ = [
     "build_test_hooks",
 ]
 
-# The built-in hooks in registration order (see pet.engine.hooks for priorities and conditions).
+# The built-in hooks in registration order. Kept as one list, not derived from registration: equal
+# priorities run in this order (EarlyStoppingHook before PeriodicWriter, CheckpointHook before
+# BestCheckpointHook), which is behaviour, and import order should not decide it. A hook's settings
+# stay in pet/config/defaults.py, which DESIGN.md makes the one place listing every key, commented;
+# a user's own hook declares its keys next to it with ``add_config`` (README, "Extending Pet").
 DEFAULT_TRAIN_HOOKS: tuple[type[TrainHook], ...] = (
     IterationTimer,
     LRScheduler,
