@@ -21,6 +21,7 @@ cause and switched off for the rest of the run; training never stops because of 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import json
 import logging
@@ -147,12 +148,8 @@ class WandbWriter(TrackerWriter):
         final_files: Sequence[str] = ("curves.png",),
         **init_kwargs: Any,
     ) -> None:
-        try:
-            import wandb  # optional ("wandb" extra): only this writer needs it
-        except ImportError as exc:
-            raise ConfigError(_missing_extra("WandbWriter", "wandb", exc)) from exc
+        self._wandb = _import_extra("WandbWriter", "wandb", "wandb")
         super().__init__(output_dir, window_size, final_files)
-        self._wandb = wandb
         self.init_kwargs = {"project": project, "name": name or _last_part(output_dir),
                             "tags": [tags] if isinstance(tags, str) else list(tags),
                             "mode": mode or _default_wandb_mode(), **init_kwargs}
@@ -206,11 +203,8 @@ class MLflowWriter(TrackerWriter):
         window_size: int = 20,
         final_files: Sequence[str] = ("curves.png",),
     ) -> None:
-        try:
-            from mlflow.entities import Metric, Param  # optional ("mlflow" extra): only this writer needs it
-            from mlflow.tracking import MlflowClient  # the same extra
-        except ImportError as exc:
-            raise ConfigError(_missing_extra("MLflowWriter", "mlflow", exc)) from exc
+        entities = _import_extra("MLflowWriter", "mlflow", "mlflow.entities")
+        client = _import_extra("MLflowWriter", "mlflow", "mlflow.tracking")
         super().__init__(output_dir, window_size, final_files)
         tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         if not tracking_uri:  # the local store
@@ -222,7 +216,7 @@ class MLflowWriter(TrackerWriter):
         self.run_name = run_name
         self.tags = {str(key): str(value) for key, value in (tags or {}).items()}
         self.artifact_location = artifact_location
-        self._client_class, self._metric, self._param = MlflowClient, Metric, Param
+        self._client_class, self._metric, self._param = client.MlflowClient, entities.Metric, entities.Param
         self._client: Any = None
         self._run_id = ""
 
@@ -284,9 +278,14 @@ def _last_part(path: str) -> str:
     return os.path.basename(os.path.normpath(os.path.abspath(path)))
 
 
-def _missing_extra(writer: str, extra: str, exc: ImportError) -> str:
-    return (f"{writer} needs the optional '{extra}' packages ({exc}): "
-            f"pip install -e \".[{extra}]\" in a Pet checkout, or pip install {extra}")
+def _import_extra(writer: str, extra: str, module: str) -> Any:
+    """``module`` of the optional extra ``extra``, imported when ``writer`` is built (only that writer needs it);
+    a ConfigError saying how to install it when it is missing."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError(f"{writer} needs the optional '{extra}' packages ({exc}): "
+                          f"pip install -e \".[{extra}]\" in a Pet checkout, or pip install {extra}") from exc
 
 
 def _default_wandb_mode() -> str | None:

@@ -59,27 +59,12 @@ class CheckpointHook(TrainHook):
 
     priority = Priority.VERY_LOW
 
-    def __init__(
-        self,
-        period: int = 5000,
-        *,
-        by_epoch: bool = False,
-        save_optimizer: bool = True,
-        save_scheduler: bool = True,
-        out_dir: str = "",
-        max_keep: int = -1,
-        save_last: bool = True,
-        save_begin: int = 0,
-        published_keys: Sequence[str] = (),
-    ) -> None:
-        self.period = period
-        self.by_epoch = by_epoch
-        self.save_optimizer = save_optimizer
-        self.save_scheduler = save_scheduler
-        self.out_dir = out_dir
-        self.max_keep = max_keep
-        self.save_last = save_last
-        self.save_begin = save_begin
+    def __init__(self, period: int = 5000, *, by_epoch: bool = False, save_optimizer: bool = True,
+                 save_scheduler: bool = True, out_dir: str = "", max_keep: int = -1, save_last: bool = True,
+                 save_begin: int = 0, published_keys: Sequence[str] = ()) -> None:
+        self.period, self.by_epoch, self.save_begin = period, by_epoch, save_begin
+        self.save_optimizer, self.save_scheduler = save_optimizer, save_scheduler
+        self.out_dir, self.max_keep, self.save_last = out_dir, max_keep, save_last
         self.published_keys = _as_list(published_keys)
         self.kept: list[str] = []
         self.last_saved_iter = -1

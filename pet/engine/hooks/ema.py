@@ -50,11 +50,8 @@ class EMAHook(TrainHook):
             raise ConfigError(f"HOOKS.EMA.MOMENTUM must be in (0, 1], got {momentum}")
         if period < 1:
             raise ConfigError(f"HOOKS.EMA.PERIOD must be >= 1, got {period}")
-        self.momentum = momentum
-        self.period = period
-        self.begin_iter = begin_iter
-        self.begin_epoch = begin_epoch
-        self.anneal_iters = anneal_iters
+        self.momentum, self.period, self.anneal_iters = momentum, period, anneal_iters
+        self.begin_iter, self.begin_epoch = begin_iter, begin_epoch
         self.steps = 0  # averaging updates done
         self._params: list[torch.nn.Parameter] = []
         self._index: dict[str, int] = {}  # state_dict name (tied weights: every alias) -> position

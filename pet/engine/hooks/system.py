@@ -119,11 +119,8 @@ class ProfilerHook(TrainHook):
             raise ConfigError(f"HOOKS.PROFILER needs 0 <= START_ITER < END_ITER, got {start_iter} and {end_iter}")
         if output not in ("table", "tensorboard"):
             raise ConfigError(f"HOOKS.PROFILER.OUTPUT must be 'table' or 'tensorboard', got {output!r}")
-        self.start_iter = start_iter
-        self.end_iter = end_iter
-        self.output = output
-        self.output_dir = output_dir
-        self.row_limit = row_limit
+        self.start_iter, self.end_iter = start_iter, end_iter
+        self.output, self.output_dir, self.row_limit = output, output_dir, row_limit
         self._profiler: torch.profiler.profile | None = None
         self._done = False
         self._on_cuda = False
