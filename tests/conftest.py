@@ -192,13 +192,13 @@ def scripted_eval(table: dict[int, dict[str, float]], calls: list[int] | None = 
 def record_saves(trainer: Trainer) -> list[tuple[str, int]]:
     """``(filename, iteration)`` of every checkpoint the trainer writes from now on."""
     saves = []
-    original = trainer.save_checkpoint
+    original = trainer.checkpointer.save
 
     def spy(filename: str, **kwargs: Any) -> str:
         saves.append((filename, trainer.iter))
         return original(filename, **kwargs)
 
-    trainer.save_checkpoint = spy
+    trainer.checkpointer.save = spy
     return saves
 
 

@@ -19,7 +19,7 @@ import signal
 import threading
 from typing import Any
 
-import pet.engine.checkpoint
+import pet.utils.files
 from pet.engine.events import EventStorage, EventWriter
 from pet.engine.hooks import TrainHook
 
@@ -53,7 +53,7 @@ class CloseMarker(EventWriter):
 class StallWrite(TrainHook):
     """Freezes the ``occurrence``-th write of the file ``name`` half-way, for a test to SIGKILL the process there.
 
-    Every file :mod:`pet.engine.checkpoint` opens for writing is watched, under its final
+    Every file :mod:`pet.utils.files` opens for writing is watched, under its final
     name or a temporary one (``name.tmp<pid>``), so the stall lands mid-write whichever
     name the code writes to. The frozen write puts the first half of its data on disk
     (flushed and fsynced), writes the file's path and a newline to the file descriptor ``fd``
@@ -67,10 +67,10 @@ class StallWrite(TrainHook):
         self.seen = 0
 
     def before_train(self, **kwargs: Any) -> None:
-        pet.engine.checkpoint.open = self._open  # shadows the builtin for that module only
+        pet.utils.files.open = self._open  # shadows the builtin for that module only
 
     def after_train(self, **kwargs: Any) -> None:
-        del pet.engine.checkpoint.open
+        del pet.utils.files.open
 
     def _open(self, file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
         f = builtins.open(file, mode, *args, **kwargs)

@@ -17,7 +17,6 @@ from conftest import (
 )
 
 from pet.engine.checkpoint import load_checkpoint, read_last_checkpoint
-from pet.engine.common import metric_rule
 from pet.engine.hooks import (
     BestCheckpointHook,
     CheckpointHook,
@@ -27,6 +26,7 @@ from pet.engine.hooks import (
     Priority,
     TrainHook,
 )
+from pet.engine.metrics import metric_rule
 from pet.utils.errors import ConfigError
 
 

@@ -16,11 +16,11 @@ import torch
 from format_sets import BACKGROUND, CLASSES, RARE, write_all_formats
 from helpers import DEMO_CFG, ROOT, run_tool_here
 
+from pet.cli import seed_everything
 from pet.config import load_cfg
 from pet.data import build_train_loader, get_dataset
 from pet.data.catalog import register_dataset
 from pet.data.formats import image_size, read_csv, read_yolo
-from pet.engine.defaults import seed_everything
 from pet.engine.trainer import Trainer
 from pet.modeling import build_model
 from pet.utils.errors import DataError

@@ -12,9 +12,9 @@ import torch.distributed as dist
 from conftest import run_two_ranks
 from helpers import DEMO_CFG, run_tool, tiny_set_opts
 
-from pet.engine import defaults
+from pet import cli
+from pet.cli import distributed_backend, init_distributed
 from pet.engine.checkpoint import load_checkpoint
-from pet.engine.defaults import distributed_backend, init_distributed
 from pet.engine.events import read_metrics
 from pet.utils import comm
 
@@ -159,8 +159,8 @@ def test_init_distributed_picks_the_backend_from_cfg_device(monkeypatch, device,
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", selected.append)
-    monkeypatch.setattr(defaults.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(defaults.dist, "init_process_group", lambda backend: joined.append(backend))
+    monkeypatch.setattr(cli.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(cli.dist, "init_process_group", lambda backend: joined.append(backend))
     init_distributed(device=device)
     assert joined == [backend]
     assert selected == ([current_gpu] if current_gpu else [])

@@ -13,7 +13,7 @@ from conftest import FakeClock, InfiniteToyLoader, ToyLoader, ToyModel
 from pet.engine.events import EventStorage, EventWriter, read_metrics
 from pet.engine.hooks import (
     MOUNT_POINTS,
-    HookDispatcher,
+    HookList,
     IterationTimer,
     LRScheduler,
     PeriodicWriter,
@@ -324,7 +324,7 @@ def test_hook_cost_excludes_the_nested_dispatches_a_hook_triggers(monkeypatch):
             clock.advance(0.2)
 
     outer, inner = Validating(), Slow()
-    dispatch = HookDispatcher([outer, inner])
+    dispatch = HookList([outer, inner])
     dispatch("after_step", dispatch=dispatch)
     costs = {(hook, point): (calls, seconds) for hook, point, calls, seconds in dispatch.costs()}
     # Each hook is charged its own time only: the 0.2 s of the nested before_val is not Validating's.

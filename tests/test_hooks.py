@@ -35,7 +35,7 @@ from pet.engine.hooks import (
     SyncBuffersHook,
     TrainHook,
 )
-from pet.engine.hooks import misc as misc_hooks
+from pet.engine.hooks import system as system_hooks
 from pet.utils.errors import ConfigError
 from pet.utils.weights import load_weights
 
@@ -268,8 +268,8 @@ def test_profiler_writes_a_table_and_empty_cache_is_harmless_on_cpu(cfg_for, cap
                   "HOOKS.PROFILER.END_ITER", 3, "HOOKS.EMPTY_CACHE.ENABLED", True,
                   "HOOKS.EMPTY_CACHE.AFTER_ITER", True)
     emptied = []
-    empty_cache = misc_hooks._empty_cuda_cache
-    monkeypatch.setattr(misc_hooks, "_empty_cuda_cache", lambda: emptied.append(1) or empty_cache())
+    empty_cache = system_hooks._empty_cuda_cache
+    monkeypatch.setattr(system_hooks, "_empty_cuda_cache", lambda: emptied.append(1) or empty_cache())
     trainer = toy_trainer(cfg)
     with caplog.at_level(logging.INFO, logger="pet"):
         trainer.train()

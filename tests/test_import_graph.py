@@ -34,7 +34,7 @@ def _imported_names(node: ast.AST) -> Iterator[str]:
     if isinstance(node, ast.Import):
         yield from (alias.name for alias in node.names)
     elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-        for alias in node.names:  # "from pet.engine import resume" imports the module pet.engine.resume
+        for alias in node.names:  # "from pet.engine import checkpointer" imports the module pet.engine.checkpointer
             submodule = f"{node.module}.{alias.name}"
             yield submodule if submodule in MODULES else node.module
 
@@ -122,15 +122,40 @@ def test_pet_engine_modules_form_no_import_cycle():
     assert _cycles(ENGINE) == []
 
 
-def test_nothing_inside_pet_engine_imports_pet_at_function_level():
-    deferred = {m: _imports(m)[1] for m in ENGINE}
+def test_nothing_inside_pet_imports_pet_at_function_level():
+    deferred = {m: _imports(m)[1] for m in MODULES}
     assert {m: lines for m, lines in deferred.items() if lines} == {}
+
+
+def _third_party_imports_in_functions(path: str) -> list[tuple[int, str]]:
+    """(line, source) of each import inside a function that is not of a pet module."""
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    found = []
+    for function in ast.walk(ast.parse(source)):
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(function):
+                if isinstance(node, (ast.Import, ast.ImportFrom)) and not any(
+                        n == "pet" or n.startswith("pet.") for n in _imported_names(node)):
+                    found.append((node.lineno, source.splitlines()[node.lineno - 1]))
+    return found
+
+
+def test_every_import_inside_a_function_says_why():
+    """An optional package imported where it is needed carries a one-line reason as a comment."""
+    unexplained = {module: [line for line in _third_party_imports_in_functions(path) if "#" not in line[1]]
+                   for module, path in MODULES.items()}
+    assert {m: lines for m, lines in unexplained.items() if lines} == {}
 
 
 @pytest.mark.parametrize("importer, forbidden", [
     ("pet.engine", "pet.evaluation"),  # evaluation may use the engine's callbacks: one way only
     ("pet.engine", "pet.modeling"),  # the engine builds models through the registry
     ("pet.data", "pet.engine"),
+    ("pet.utils", "pet.engine"),  # the ground floor names nothing above it
+    ("pet.utils", "pet.modeling"),
+    ("pet.utils", "pet.evaluation"),
+    ("pet.utils", "pet.data"),
 ])
 def test_dependencies_point_one_way(importer, forbidden):
     offenders = {

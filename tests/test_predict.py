@@ -356,7 +356,7 @@ def test_torchvisions_coco_weights_predict_with_cocos_names_and_ids(caplog):
 
 
 def test_the_checkpoint_of_a_training_run_records_its_label_space(make_cfg):
-    from pet.engine.resume import training_label_space
+    from pet.engine.checkpointer import training_label_space
 
     class Dataset:
         class_names = ["cat", "dog"]
@@ -368,8 +368,8 @@ def test_the_checkpoint_of_a_training_run_records_its_label_space(make_cfg):
     from conftest import toy_trainer
 
     trainer = toy_trainer(make_cfg())
-    assert "label_space" not in trainer.checkpoint_state()  # a toy loader has no classes
+    assert "label_space" not in trainer.checkpointer.state()  # a toy loader has no classes
     trainer.data_loader = Loader()
-    assert trainer.checkpoint_state()["label_space"] == [{"label": 1, "id": 17, "name": "cat"},
+    assert trainer.checkpointer.state()["label_space"] == [{"label": 1, "id": 17, "name": "cat"},
                                                          {"label": 2, "id": 18, "name": "dog"}]
     assert training_label_space(Dataset()) == LabelSpace((17, 18), ("cat", "dog"))

@@ -68,13 +68,13 @@ def test_signal_checkpoint_goes_through_the_checkpoint_hook(make_cfg, tmp_path, 
             "HOOKS.CHECKPOINT.OUT_DIR", out)
     trainer = toy_trainer(make_cfg(*opts), SignalAt(at))
     saved = []
-    original = trainer.save_checkpoint
+    original = trainer.checkpointer.save
 
     def spy(filename, **kwargs):
         saved.append(filename)
         return original(filename, **kwargs)
 
-    trainer.save_checkpoint = spy
+    trainer.checkpointer.save = spy
     message = f"after iteration {at}; checkpoint {out}/model_iter{at}.pth"
     with pytest.raises(TrainingInterrupted, match=re.escape(message)):
         trainer.train()

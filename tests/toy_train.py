@@ -16,8 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from conftest import InfiniteToyLoader, NanLossModel  # noqa: E402
 
+from pet.cli import launch_cli, seed_everything  # noqa: E402
 from pet.config import load_cfg  # noqa: E402
-from pet.engine.defaults import launch_cli, seed_everything  # noqa: E402
 from pet.engine.trainer import Trainer  # noqa: E402
 from pet.utils.logger import setup_logger  # noqa: E402
 

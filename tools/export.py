@@ -25,13 +25,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from pet.cli import launch_cli  # noqa: E402
 from pet.config import load_cfg  # noqa: E402
 from pet.deploy.backend import int8_path  # noqa: E402
 from pet.deploy.int8 import default_image_counts, int8_image_sets, quantize_with_gate  # noqa: E402
 from pet.deploy.onnx import export_onnx  # noqa: E402
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel  # noqa: E402
 from pet.deploy.parity import check_parity, parity_batches  # noqa: E402
-from pet.engine.defaults import launch_cli  # noqa: E402
 from pet.modeling import build_model  # noqa: E402
 from pet.predict.labels import ONNX_METADATA_KEY, label_space_from_checkpoint, model_label_space  # noqa: E402
 from pet.utils.logger import setup_logger  # noqa: E402

@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tqdm import tqdm  # noqa: E402
 from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: E402
 
+from pet.cli import default_argument_parser, default_setup, launch_cli  # noqa: E402
 from pet.deploy.backend import resolve_backend  # noqa: E402
-from pet.engine.defaults import default_argument_parser, default_setup, launch_cli  # noqa: E402
 from pet.predict import PREDICT_DEFAULTS, PredictionWriter, Predictor, PredictStats, Source  # noqa: E402
 from pet.predict.writers import check_writable, parse_formats  # noqa: E402
 from pet.utils.errors import DataError  # noqa: E402

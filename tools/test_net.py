@@ -16,11 +16,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from pet.cli import build_test_model, default_argument_parser, default_setup, launch_cli  # noqa: E402
 from pet.deploy.backend import resolve_backend  # noqa: E402
 from pet.engine.build import build_test_hooks  # noqa: E402
-from pet.engine.common import flatten_metrics  # noqa: E402
-from pet.engine.defaults import build_test_model, default_argument_parser, default_setup, launch_cli  # noqa: E402
 from pet.engine.inference import evaluate_on_datasets  # noqa: E402
+from pet.engine.metrics import flatten_metrics  # noqa: E402
 from pet.evaluation import DetectionVisualizer, evaluate_results_file  # noqa: E402
 from pet.evaluation.coco import write_json_atomic  # noqa: E402
 from pet.utils import comm  # noqa: E402

@@ -4,7 +4,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pet.engine.defaults import build_trainer, default_argument_parser, default_setup, launch_cli  # noqa: E402
+from pet.cli import build_trainer, default_argument_parser, default_setup, launch_cli  # noqa: E402
 
 
 def main() -> None:

@@ -19,9 +19,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cv2  # noqa: E402
 from fvcore.common.config import CfgNode  # noqa: E402
 
+from pet.cli import launch_cli  # noqa: E402
 from pet.config import load_cfg  # noqa: E402
 from pet.data import DatasetMapper, LabelSpace, build_test_loader, build_train_loader  # noqa: E402
-from pet.engine.defaults import launch_cli  # noqa: E402
 from pet.utils.logger import setup_logger  # noqa: E402
 from pet.utils.visualization import draw_detections  # noqa: E402
 

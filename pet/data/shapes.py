@@ -26,6 +26,8 @@ from typing import Any
 import cv2
 import numpy as np
 
+from pet.utils.files import atomic_path
+
 __all__ = ["SHAPE_CLASSES", "generate_shapes", "is_complete", "render_scene"]
 
 logger = logging.getLogger(__name__)
@@ -72,19 +74,13 @@ def generate_shapes(
             return root
         start = time.perf_counter()
         logger.info(f"Generating the shapes demo set ({num_train} train + {num_val} val images) in {root} ...")
-        for stale in glob.glob(f"{glob.escape(root)}.tmp-*"):  # left by a killed run
+        for stale in glob.glob(f"{glob.escape(root)}.tmp*"):  # left by a killed run (also the older .tmp-<pid>)
             shutil.rmtree(stale, ignore_errors=True)
-        tmp = f"{root}.tmp-{os.getpid()}"
-        try:
+        with atomic_path(root) as tmp:  # replaces a partial or outdated set only once this one is complete
             for split, count, split_seed in (("train", num_train, 0), ("val", num_val, 1)):
                 _write_split(tmp, split, count, (seed, split_seed), params)
             with open(os.path.join(tmp, _MARKER), "w") as f:
                 json.dump(params, f)
-            if os.path.exists(root):  # a partial or outdated set
-                shutil.rmtree(root)
-            os.rename(tmp, root)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
         logger.info(f"Shapes demo set written in {time.perf_counter() - start:.1f} s")
     return root
 
@@ -106,7 +102,7 @@ def is_complete(root: str, params: dict[str, Any] | None = None) -> bool:
 @contextlib.contextmanager
 def _file_lock(path: str) -> Iterator[None]:
     try:
-        import fcntl
+        import fcntl  # POSIX only
     except ImportError:  # not POSIX: no cross-process lock, the rename still keeps sets whole
         yield
         return

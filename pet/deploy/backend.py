@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from fvcore.common.config import CfgNode
 
 from pet.config import load_cfg
-from pet.engine.common import resolve_device
+from pet.engine.models import resolve_device
 from pet.engine.precision import choose_precision, cpu_int8_support
 from pet.utils.errors import ConfigError
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import onnxruntime
 import torch
 from torch import Tensor
 
@@ -35,6 +34,8 @@ class OnnxRuntimeModel(torch.nn.Module):
     """
 
     def __init__(self, path: str, threads: int = 0) -> None:
+        import onnxruntime  # an optional extra ("export"): only a run on an ONNX model needs it
+
         super().__init__()
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = threads

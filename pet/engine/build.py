@@ -1,7 +1,7 @@
 """Everything set up from the config before a run: the model's placement, the hooks, the test callbacks.
 
 :class:`pet.engine.trainer.Trainer` builds what it is not given through these functions,
-and so do tools/train_net.py and tools/test_net.py (through :mod:`pet.engine.defaults`),
+and so do tools/train_net.py and tools/test_net.py (through :mod:`pet.cli`),
 so a config key means the same on every path.
 """
 from __future__ import annotations
@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from fvcore.common.config import CfgNode
 
-from pet.engine.common import resolve_device
 from pet.engine.events import writer_class
 from pet.engine.hooks import (
     HOOKS,
@@ -34,6 +33,7 @@ from pet.engine.hooks import (
     TrainHook,
     get_priority,
 )
+from pet.engine.models import resolve_device
 from pet.utils.compile import compile_submodules
 from pet.utils.errors import ConfigError
 from pet.utils.registry import build_from_spec
@@ -46,7 +46,11 @@ __all__ = [
     "build_test_hooks",
 ]
 
-# The built-in hooks in registration order (see pet.engine.hooks for priorities and conditions).
+# The built-in hooks in registration order. Kept as one list, not derived from registration: equal
+# priorities run in this order (EarlyStoppingHook before PeriodicWriter, CheckpointHook before
+# BestCheckpointHook), which is behaviour, and import order should not decide it. A hook's settings
+# stay in pet/config/defaults.py, which DESIGN.md makes the one place listing every key, commented;
+# a user's own hook declares its keys next to it with ``add_config`` (README, "Extending Pet").
 DEFAULT_TRAIN_HOOKS: tuple[type[TrainHook], ...] = (
     IterationTimer,
     LRScheduler,
@@ -64,7 +68,7 @@ DEFAULT_TRAIN_HOOKS: tuple[type[TrainHook], ...] = (
 
 
 def prepare_model(model: torch.nn.Module, cfg: CfgNode, device: torch.device | None = None) -> torch.nn.Module:
-    """``model`` (from :func:`pet.utils.registry.build_model`, or the caller's) on ``device`` (default:
+    """``model`` (from :func:`pet.modeling.build_model`, or the caller's) on ``device`` (default:
     ``DEVICE``) with ``MODEL.COMPILE`` applied."""
     model.to(device if device is not None else resolve_device(cfg.DEVICE))
     compile_submodules(model, cfg.MODEL.COMPILE)

@@ -1,7 +1,7 @@
 """Atomic checkpoint files and the RNG state they carry.
 
-A checkpoint is written to a temporary file in the same directory, flushed to disk and
-renamed over the target, so a crash or a full disk never leaves a half-written file
+A checkpoint is written to a temporary file in the same directory (:mod:`pet.utils.files`),
+flushed to disk and renamed over the target, so a crash or a full disk never leaves a half-written file
 under the final name; ``last_checkpoint`` is replaced the same way, only after its
 checkpoint is complete. Loading goes through :func:`pet.utils.weights.load_checkpoint`
 (re-exported here), the one place Pet calls ``torch.load``: ``weights_only=True`` unless
@@ -14,7 +14,6 @@ import io
 import logging
 import os
 import random
-import re
 from typing import Any
 
 import numpy as np
@@ -22,6 +21,7 @@ import torch
 
 from pet.utils import comm
 from pet.utils.errors import TrainingError
+from pet.utils.files import is_temporary_name, temporary_path, write_bytes_atomic
 from pet.utils.weights import load_checkpoint
 
 __all__ = [
@@ -39,36 +39,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 LAST_CHECKPOINT = "last_checkpoint"
-# Exactly the names temporary_path() makes; a user's "notes.tmp" or "x.tmp.json" never matches.
-_TMP_NAME = re.compile(r".+\.tmp\d+")
-
-
-def temporary_path(path: str) -> str:
-    """Where a write to ``path`` is staged before the rename: ``{path}.tmp{pid}``.
-
-    :func:`read_last_checkpoint` removes leftovers of exactly this form (a process killed
-    mid-write), so every staged write in an output directory must use it.
-    """
-    return f"{path}.tmp{os.getpid()}"
-
-
-def _atomic_write(path: str, write: Any) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = temporary_path(path)
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise TrainingError(
-            f"Could not write {path}: {exc.strerror or exc}. The previous checkpoint is intact; "
-            f"{write_failure_remedy(exc, directory)}, then resume with the same command."
-        ) from exc
 
 
 def write_failure_remedy(exc: OSError, directory: str) -> str:
@@ -96,8 +66,15 @@ def atomic_save(obj: Any, path: str) -> None:
 
 
 def atomic_write_bytes(data: bytes | memoryview, path: str) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename."""
-    _atomic_write(path, lambda f: f.write(data))
+    """Write ``data`` to ``path`` through a temporary file, flushed to disk, and a rename
+    (:func:`pet.utils.files.write_bytes_atomic`); a failure is a TrainingError saying what to do."""
+    try:
+        write_bytes_atomic(path, data, fsync=True)
+    except OSError as exc:
+        raise TrainingError(
+            f"Could not write {path}: {exc.strerror or exc}. The previous checkpoint is intact; "
+            f"{write_failure_remedy(exc, os.path.dirname(os.path.abspath(path)))}, then resume with the same command."
+        ) from exc
 
 
 def write_last_checkpoint(save_dir: str, filename: str) -> None:
@@ -109,7 +86,7 @@ def read_last_checkpoint(save_dir: str) -> str | None:
     """Path of the newest complete checkpoint in ``save_dir``, or None.
 
     The main process also removes temporary files an interrupted write left (see
-    :func:`temporary_path`) in ``save_dir`` and in the named checkpoint's directory;
+    :func:`pet.utils.files.temporary_path`) in ``save_dir`` and in the named checkpoint's directory;
     they are never read. Other processes leave them alone: all would race to delete
     the same files.
     """
@@ -135,7 +112,7 @@ def _remove_leftover_temporary_files(directory: str) -> None:
         return
     for entry in sorted(os.listdir(directory)):
         leftover = os.path.join(directory, entry)
-        if _TMP_NAME.fullmatch(entry) and os.path.isfile(leftover):
+        if is_temporary_name(entry) and os.path.isfile(leftover):
             logger.warning(f"Removing {leftover}, left by an interrupted checkpoint write")
             os.remove(leftover)
 

@@ -40,6 +40,7 @@ __all__ = [
     "read_metrics",
     "WRITERS",
     "build_writers",
+    "close_writers",
     "writer_class",
 ]
 
@@ -116,6 +117,16 @@ class EventStorage:
     def smoothing_hints(self) -> dict[str, bool]:
         return self._smoothing_hints
 
+    def scalars_since(self, after: int, window_size: int = 20) -> dict[int, dict[str, float]]:
+        """``{iteration: {name: value}}`` of the latest scalars put after iteration ``after``, by iteration,
+        valued as :meth:`latest_with_smoothing_hint` values them: what a writer that continues from
+        ``after`` writes next (metrics.json, TensorBoard, a tracker)."""
+        by_iter: dict[int, dict[str, float]] = defaultdict(dict)
+        for name, (value, iteration) in self.latest_with_smoothing_hint(window_size).items():
+            if iteration > after:
+                by_iter[iteration][name] = value
+        return dict(sorted(by_iter.items()))
+
     def __enter__(self) -> EventStorage:
         _CURRENT_STORAGE_STACK.append(self)
         return self
@@ -130,7 +141,15 @@ class EventWriter:
 
     Subclasses receive ``storage`` as a keyword argument (and may ignore the rest), so
     a writer can also be driven outside the trainer: ``writer.write(storage=storage)``.
+
+    ``close_order`` says when :func:`close_writers` closes it among a run's writers (lower first,
+    equal values in list order): a writer that reads on closing what another finishes on closing
+    comes after it. ``metrics.json`` (JSONWriter, 0) is complete before ``curves.png`` is drawn
+    from it (TrainingCurvesWriter, 1), and both before the other writers (default 2: experiment
+    trackers upload them).
     """
+
+    close_order: int = 2
 
     def write(self, **kwargs: Any) -> None:
         raise NotImplementedError
@@ -188,6 +207,8 @@ class JSONWriter(EventWriter):
     at 0 (killed before its first checkpoint, then restarted) drops them all.
     """
 
+    close_order = 0
+
     def __init__(self, json_file: str, window_size: int = 20, start_iter: int = 0) -> None:
         self.json_file = json_file
         self.window_size = window_size
@@ -197,13 +218,9 @@ class JSONWriter(EventWriter):
         self._last_write = start_iter
 
     def write(self, **kwargs: Any) -> None:
-        storage = _storage_from(kwargs)
-        per_iter: dict[int, dict[str, float]] = defaultdict(dict)
-        for name, (value, iteration) in storage.latest_with_smoothing_hint(self.window_size).items():
-            if iteration > self._last_write:
-                per_iter[iteration][name] = value
-        for iteration in sorted(per_iter):
-            self._file.write(json.dumps({"iteration": iteration, **per_iter[iteration]}, sort_keys=False) + "\n")
+        per_iter = _storage_from(kwargs).scalars_since(self._last_write, self.window_size)
+        for iteration, scalars in per_iter.items():
+            self._file.write(json.dumps({"iteration": iteration, **scalars}, sort_keys=False) + "\n")
         self._file.flush()
         if per_iter:
             self._last_write = max(per_iter)
@@ -216,20 +233,17 @@ class TensorboardXWriter(EventWriter):
     """Writes every scalar with new values to TensorBoard event files under ``log_dir``."""
 
     def __init__(self, log_dir: str, window_size: int = 20, start_iter: int = 0) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package: only this writer does
 
         self.window_size = window_size
         self._writer = SummaryWriter(log_dir, purge_step=start_iter + 1 if start_iter else None)
         self._last_write = start_iter
 
     def write(self, **kwargs: Any) -> None:
-        storage = _storage_from(kwargs)
-        newest = self._last_write
-        for name, (value, iteration) in storage.latest_with_smoothing_hint(self.window_size).items():
-            if iteration > self._last_write:
+        for iteration, scalars in _storage_from(kwargs).scalars_since(self._last_write, self.window_size).items():
+            for name, value in scalars.items():
                 self._writer.add_scalar(name, value, iteration)
-                newest = max(newest, iteration)
-        self._last_write = newest
+            self._last_write = iteration
         self._writer.flush()
 
     def close(self) -> None:
@@ -240,10 +254,12 @@ class TrainingCurvesWriter(EventWriter):
     """Draws ``curves.png`` (losses, lr, validation AP against iteration) from ``metrics.json`` when closed.
 
     Writers are closed after the last write of a run, also a failed or stopped one, so the
-    picture shows how far it got; writers listed after it (``TRAIN.WRITERS``, e.g. an
-    experiment tracker) find the picture there when they close. ``tools/plot_metrics.py``
-    redraws it any time.
+    picture shows how far it got; it closes after the JSONWriter and before the writers of the
+    default ``close_order`` (``TRAIN.WRITERS``, e.g. an experiment tracker), which find the
+    picture there when they close. ``tools/plot_metrics.py`` redraws it any time.
     """
+
+    close_order = 1
 
     def __init__(self, output_dir: str, filename: str = "curves.png") -> None:
         self.output_dir = output_dir
@@ -270,8 +286,8 @@ for _writer in (CommonMetricPrinter, JSONWriter, TensorboardXWriter, TrainingCur
 def build_writers(cfg: CfgNode, max_iter: int, start_iter: int = 0) -> list[EventWriter]:
     """Terminal printer, metrics.json and curves.png, TensorBoard (as configured), then ``TRAIN.WRITERS`` entries.
 
-    They are closed in this order, so metrics.json is complete when the curves are drawn
-    and both exist when the ``TRAIN.WRITERS`` entries close.
+    Close them with :func:`close_writers` (their ``close_order``: metrics.json, then the curves drawn
+    from it, then the others).
     """
     writers: list[EventWriter] = [CommonMetricPrinter(max_iter)]
     if cfg.TRAIN.SAVE_AS_JSON:
@@ -283,6 +299,20 @@ def build_writers(cfg: CfgNode, max_iter: int, start_iter: int = 0) -> list[Even
         writer_class(spec)
         writers.append(build_from_spec(WRITERS, spec, output_dir=cfg.CKPT))
     return writers
+
+
+def close_writers(writers: Iterable[EventWriter]) -> None:
+    """Close every writer by its ``close_order`` (ties in list order), even when one fails (a tracker after it
+    still ends its run); then raise the first failure."""
+    failures = []
+    for writer in sorted(writers, key=lambda w: w.close_order):
+        try:
+            writer.close()
+        except Exception as exc:  # noqa: BLE001 - reported below, after the other writers closed
+            logger.error(f"Closing {type(writer).__name__} failed: {type(exc).__name__}: {exc}")
+            failures.append(exc)
+    if failures:
+        raise failures[0]
 
 
 def writer_class(spec: Mapping[str, Any]) -> type[EventWriter]:

@@ -18,11 +18,11 @@ from fvcore.common.config import CfgNode
 from pet.data import DatasetMapper, build_test_loader
 from pet.data.workers import watched
 from pet.engine.checkpoint import get_rng_state, set_rng_state
-from pet.engine.common import call_model, flatten_metrics, model_device
+from pet.engine.inference_timer import InferenceTimer
+from pet.engine.metrics import flatten_metrics
+from pet.engine.models import build_evaluator, call_model, model_device
 from pet.engine.precision import Precision, choose_precision
-from pet.engine.timing import InferenceTimer
 from pet.utils import comm
-from pet.utils.registry import EVALUATOR_REGISTRY
 from pet.utils.tensor import move_to_device
 from pet.utils.timers import activate
 
@@ -60,18 +60,6 @@ class TestCallback:
         """After the last batch, with ``results`` (predictions) and ``metrics``."""
 
 
-def build_evaluator(cfg: CfgNode, dataset: Any, output_dir: str) -> Evaluator:
-    """The ``TEST.EVALUATOR`` (a registry name or dotted path) for ``dataset``, writing into ``output_dir``.
-
-    A class with ``from_config(cfg, dataset, output_dir)`` is built through it (so it can read its
-    own keys); any other is called as ``cls(dataset, output_dir)``.
-    """
-    cls = EVALUATOR_REGISTRY.get(cfg.TEST.EVALUATOR)
-    if hasattr(cls, "from_config"):
-        return cls.from_config(cfg, dataset, output_dir)
-    return cls(dataset, output_dir)
-
-
 def _shard_range(data_loader: Any) -> tuple[int, int, int]:
     """(first index, end index, dataset size) of this process's shard; a plain sequence of batches counts batches."""
     total = len(getattr(data_loader, "dataset", data_loader))
@@ -93,7 +81,7 @@ def inference_on_dataset(
 
     ``precision`` (from :func:`inference_precision`) autocasts the model's forward; float32 when not given.
 
-    ``test_hook`` (a :class:`pet.engine.hooks.TestHook` or any InferenceTimer) times the
+    ``test_hook`` (an InferenceTimer, or a :class:`pet.engine.hooks.TestHook`, which offers its timer's API) times the
     stages (per batch: data, infer, post; iter = all three plus the loop itself); the
     periodic ``[Testing]`` line also shows any extra timers (for example ``timed("rpn")``
     in model code). It receives the callbacks too when it is a TestCallback; ``hooks``
@@ -103,9 +91,7 @@ def inference_on_dataset(
     callbacks = [hook for hook in (test_hook, *hooks) if isinstance(hook, TestCallback)]
     device = model_device(model)
     precision = precision or Precision(device.type, None, False, "no precision given")
-    test_hook.cuda_sync = device.type == "cuda"
-    test_hook.device = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    test_hook.ims_per_batch = getattr(data_loader, "batch_size", None) or 1
+    test_hook.configure(device, getattr(data_loader, "batch_size", None) or 1)
     start, end, total = _shard_range(data_loader)
 
     evaluator.reset()
@@ -116,31 +102,24 @@ def inference_on_dataset(
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.inference_mode())
         stack.enter_context(activate(test_hook))
-        test_hook.iter_tic()
-        test_hook.data_tic()
+        test_hook.tic("iter")
+        test_hook.tic("data")
         for index, batch in enumerate(watched(data_loader), 1):
-            test_hook.data_toc()
-
-            test_hook.infer_tic()
-            batch = move_to_device(batch, device)
-            with precision.autocast():
-                outputs = call_model(model, batch)
-            test_hook.wait()
-            test_hook.infer_toc()
-
-            test_hook.post_tic()
-            evaluator.process(batch, outputs)
-            for hook in callbacks:
-                hook.after_test_iter(inputs=batch, outputs=outputs)
-            test_hook.post_toc()
-
+            test_hook.toc("data")
+            with test_hook.stage("infer", wait=True):
+                batch = move_to_device(batch, device)
+                with precision.autocast():
+                    outputs = call_model(model, batch)
+            with test_hook.stage("post"):
+                evaluator.process(batch, outputs)
+                for hook in callbacks:
+                    hook.after_test_iter(inputs=batch, outputs=outputs)
             # The next iteration's clock starts as this one stops, so iterations tile the loop: logging and
             # anything else between batches is counted, and iter x batches is the loop's wall time.
-            test_hook.iter_toc()
-            test_hook.iter_tic()
-            test_hook.log_stats(index, start, end, total, test_hook.ims_per_batch,
-                                log_all=bool(test_hook.extra_timers))
-            test_hook.data_tic()
+            test_hook.toc("iter")
+            test_hook.tic("iter")
+            test_hook.log_progress(index, start, end, total)
+            test_hook.tic("data")
     model.train(was_training)
 
     metrics = evaluator.evaluate()

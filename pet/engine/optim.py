@@ -66,19 +66,10 @@ class WarmupLR:
     ``STEPS``, ``LR_POLICY`` or ``BASE_LR``) from the resumed iteration.
     """
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        schedule: ParamScheduler,
-        max_iter: int,
-        warmup_iters: int = 0,
-        warmup_factor: float = 1.0,
-    ) -> None:
-        self.optimizer = optimizer
-        self.schedule = schedule
-        self.max_iter = max_iter
-        self.warmup_iters = warmup_iters
-        self.warmup_factor = warmup_factor
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: ParamScheduler, max_iter: int,
+                 warmup_iters: int = 0, warmup_factor: float = 1.0) -> None:
+        self.optimizer, self.schedule, self.max_iter = optimizer, schedule, max_iter
+        self.warmup_iters, self.warmup_factor = warmup_iters, warmup_factor
         for group in optimizer.param_groups:
             group.setdefault("initial_lr", group["lr"])
         self.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pet.engine.common import call_model
+from pet.engine.models import call_model
 from pet.engine.precision import Precision
 from pet.utils import comm
 from pet.utils.errors import TrainingError
@@ -57,20 +57,10 @@ class TrainStep:
     whose state is part of a checkpoint (``grad_scaler``).
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        precision: Precision,
-        *,
-        clip_grad_norm: float = 0.0,
-        skip_nonfinite: bool = False,
-    ) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.precision = precision
-        self.clip_grad_norm = clip_grad_norm
-        self.skip_nonfinite = skip_nonfinite
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, *,
+                 clip_grad_norm: float = 0.0, skip_nonfinite: bool = False) -> None:
+        self.model, self.optimizer, self.precision = model, optimizer, precision
+        self.clip_grad_norm, self.skip_nonfinite = clip_grad_norm, skip_nonfinite
         self.grad_scaler = torch.amp.GradScaler("cuda") if precision.grad_scaler else None
         self.nonfinite_skipped = 0
 

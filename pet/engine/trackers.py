@@ -11,7 +11,8 @@ tracker writer does (:class:`TrackerWriter`):
   tracker's step is the ``iteration`` of ``metrics.json``, and so are the values;
 - so the last value of every scalar, the last validation metrics (``bbox/AP``, ...) included,
   is the run's final one: the summary of a W&B run, the metrics of an MLflow run;
-- when closed, logs ``curves.png`` (drawn by the writer closed before it) and ends the run,
+- when closed, logs ``curves.png`` (drawn by the curves writer, which closes before it: see
+  :attr:`pet.engine.events.EventWriter.close_order`) and ends the run,
   marked failed when training failed.
 
 A tracker that fails (unreachable, a full disk, a bug in its client) is logged once with its
@@ -20,6 +21,7 @@ cause and switched off for the rest of the run; training never stops because of 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import json
 import logging
@@ -29,14 +31,13 @@ import pathlib
 import re
 import sys
 import time
-from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
 import yaml
 
-from pet.engine.events import WRITERS, EventStorage, EventWriter, get_event_storage
+from pet.engine.events import WRITERS, EventWriter, get_event_storage
 from pet.utils.errors import ConfigError
 
 __all__ = ["TrackerWriter", "WandbWriter", "MLflowWriter"]
@@ -54,7 +55,7 @@ class TrackerWriter(EventWriter):
 
     ``final_files`` (relative to ``output_dir``) are logged when the writer is closed, those
     that exist then: ``curves.png`` by default, which the curves writer draws when it is
-    closed, before the ``TRAIN.WRITERS`` entries are.
+    closed, before any writer of the default ``close_order``.
     """
 
     def __init__(self, output_dir: str, window_size: int = 20, final_files: Sequence[str] = ("curves.png",)) -> None:
@@ -85,7 +86,7 @@ class TrackerWriter(EventWriter):
         if self._broken:
             return
         storage = kwargs.get("storage")
-        new = _new_scalars(storage if storage is not None else get_event_storage(), self.window_size, self._last_step)
+        new = (storage if storage is not None else get_event_storage()).scalars_since(self._last_step, self.window_size)
         with self._failsafe("logging"):
             if not self._running:
                 self._running = True  # from here on, close() ends what start_run opened
@@ -147,12 +148,8 @@ class WandbWriter(TrackerWriter):
         final_files: Sequence[str] = ("curves.png",),
         **init_kwargs: Any,
     ) -> None:
-        try:
-            import wandb
-        except ImportError as exc:
-            raise ConfigError(_missing_extra("WandbWriter", "wandb", exc)) from exc
+        self._wandb = _import_extra("WandbWriter", "wandb", "wandb")
         super().__init__(output_dir, window_size, final_files)
-        self._wandb = wandb
         self.init_kwargs = {"project": project, "name": name or _last_part(output_dir),
                             "tags": [tags] if isinstance(tags, str) else list(tags),
                             "mode": mode or _default_wandb_mode(), **init_kwargs}
@@ -206,11 +203,8 @@ class MLflowWriter(TrackerWriter):
         window_size: int = 20,
         final_files: Sequence[str] = ("curves.png",),
     ) -> None:
-        try:
-            from mlflow.entities import Metric, Param
-            from mlflow.tracking import MlflowClient
-        except ImportError as exc:
-            raise ConfigError(_missing_extra("MLflowWriter", "mlflow", exc)) from exc
+        entities = _import_extra("MLflowWriter", "mlflow", "mlflow.entities")
+        client = _import_extra("MLflowWriter", "mlflow", "mlflow.tracking")
         super().__init__(output_dir, window_size, final_files)
         tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         if not tracking_uri:  # the local store
@@ -222,7 +216,7 @@ class MLflowWriter(TrackerWriter):
         self.run_name = run_name
         self.tags = {str(key): str(value) for key, value in (tags or {}).items()}
         self.artifact_location = artifact_location
-        self._client_class, self._metric, self._param = MlflowClient, Metric, Param
+        self._client_class, self._metric, self._param = client.MlflowClient, entities.Metric, entities.Param
         self._client: Any = None
         self._run_id = ""
 
@@ -274,15 +268,6 @@ def _flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return params
 
 
-def _new_scalars(storage: EventStorage, window_size: int, after: int) -> dict[int, dict[str, float]]:
-    """``{iteration: {name: value}}`` of the scalars put after iteration ``after``, valued as in metrics.json."""
-    by_step: dict[int, dict[str, float]] = defaultdict(dict)
-    for name, (value, iteration) in storage.latest_with_smoothing_hint(window_size).items():
-        if iteration > after:
-            by_step[iteration][name] = value
-    return dict(sorted(by_step.items()))
-
-
 def _config_dict(trainer: Any) -> dict[str, Any]:
     """The trainer's config as plain nested dicts and lists (what trackers store); empty without one."""
     cfg = getattr(trainer, "cfg", None)
@@ -293,9 +278,14 @@ def _last_part(path: str) -> str:
     return os.path.basename(os.path.normpath(os.path.abspath(path)))
 
 
-def _missing_extra(writer: str, extra: str, exc: ImportError) -> str:
-    return (f"{writer} needs the optional '{extra}' packages ({exc}): "
-            f"pip install -e \".[{extra}]\" in a Pet checkout, or pip install {extra}")
+def _import_extra(writer: str, extra: str, module: str) -> Any:
+    """``module`` of the optional extra ``extra``, imported when ``writer`` is built (only that writer needs it);
+    a ConfigError saying how to install it when it is missing."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError(f"{writer} needs the optional '{extra}' packages ({exc}): "
+                          f"pip install -e \".[{extra}]\" in a Pet checkout, or pip install {extra}") from exc
 
 
 def _default_wandb_mode() -> str | None:

@@ -132,7 +132,7 @@ def _empty_results(coco_gt: COCO) -> COCO:
 
 
 def _run_faster(coco_gt: COCO, results: list[dict[str, Any]], iou_type: str, image_ids: list[int]) -> COCOEvalResult:
-    from faster_coco_eval import COCOeval_faster
+    from faster_coco_eval import COCOeval_faster  # optional ("fast-eval" extra): only this backend needs it
 
     lines: list[str] = []
     faster_gt = _faster_ground_truth(coco_gt)
@@ -148,7 +148,7 @@ def _run_faster(coco_gt: COCO, results: list[dict[str, Any]], iou_type: str, ima
 
 def _faster_ground_truth(coco_gt: COCO) -> Any:
     """faster-coco-eval's COCO object for ``coco_gt``, on a deep copy of its annotations (cached)."""
-    from faster_coco_eval import COCO as FasterCOCO
+    from faster_coco_eval import COCO as FasterCOCO  # optional, as in _run_faster
 
     if coco_gt not in _FASTER_GT:
         _FASTER_GT[coco_gt] = FasterCOCO(copy.deepcopy(coco_gt.dataset), print_function=lambda *args: None)

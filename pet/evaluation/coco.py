@@ -23,13 +23,14 @@ import pycocotools.mask as mask_util
 import torch
 from fvcore.common.config import CfgNode
 
+from pet.data import get_dataset
 from pet.evaluation.backends import COCOEvalResult, resolve_backend, run_cocoeval
+from pet.evaluation.build import EVALUATOR_REGISTRY
 from pet.evaluation.diagnostics import write_diagnostics
-from pet.evaluation.files import write_json_atomic
 from pet.evaluation.voc import voc_evaluate
 from pet.utils import comm
 from pet.utils.errors import DataError
-from pet.utils.registry import EVALUATOR_REGISTRY
+from pet.utils.files import write_json_atomic
 from pet.utils.table import format_table
 
 __all__ = ["COCOEvaluator", "evaluate_results_file", "BOX_METRICS", "write_json_atomic"]
@@ -78,8 +79,6 @@ class COCOEvaluator:
         diagnostics_score: float = 0.5,
     ) -> None:
         if isinstance(dataset, str):
-            from pet.data import get_dataset
-
             dataset = get_dataset(dataset)
         self.dataset = dataset
         self.output_dir = output_dir
@@ -184,8 +183,6 @@ def evaluate_results_file(dataset: Any, results_json: str, backend: str = "auto"
     ``dataset`` and ``backend`` are as in :class:`COCOEvaluator`. Returns the same dict as ``evaluate()``.
     """
     if isinstance(dataset, str):
-        from pet.data import get_dataset
-
         dataset = get_dataset(dataset)
     if not os.path.isfile(results_json):
         raise DataError(f"Results file not found: {results_json}")

@@ -69,7 +69,7 @@ import pycocotools.mask as mask_util
 from pycocotools.coco import COCO
 
 from pet.evaluation.backends import COCOEvalResult
-from pet.evaluation.files import write_json_atomic
+from pet.utils.files import write_json_atomic
 from pet.utils.visualization import plot_confusion_matrix, plot_error_breakdown, plot_pr_curves
 
 __all__ = ["ERROR_TYPES", "ErrorBreakdown", "ImageMatches", "confusion_matrix", "error_breakdown",

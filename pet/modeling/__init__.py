@@ -8,13 +8,13 @@ RoI box or mask head, or one-stage dense head, register it in the matching regis
 """
 from pet.modeling import registry
 from pet.modeling.backbone import build_backbone
+from pet.modeling.build import build_model
 from pet.modeling.faster_rcnn import FasterRCNN
 from pet.modeling.fcos import FCOS
 from pet.modeling.mask_rcnn import MaskRCNN
 from pet.modeling.registry import *  # noqa: F403 - the registries, as registry.__all__ lists them
 from pet.modeling.retinanet import RetinaNet
 from pet.modeling.state_dict_names import convert_state_dict
-from pet.utils.registry import build_model
 
 __all__ = [
     "build_model",

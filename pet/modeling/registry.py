@@ -51,7 +51,8 @@ returns a module that keeps the ResNet under the name ``body`` (ImageNet ResNet 
         freeze_stages(resnet, cfg.MODEL.BACKBONE.FREEZE_AT)
         return ResNetWithMyNeck(resnet, channels, cfg.MODEL.FPN.OUT_CHANNELS)  # .body, .neck, .out_channels
 """
-from pet.utils.registry import META_ARCH_REGISTRY, Registry
+from pet.modeling.build import META_ARCH_REGISTRY
+from pet.utils.registry import Registry
 
 __all__ = [
     "META_ARCH_REGISTRY",

@@ -27,14 +27,15 @@ import numpy as np
 import torch
 from fvcore.common.config import CfgNode
 
+from pet.cli import build_test_model
 from pet.config import load_cfg
 from pet.data import build_augmentations, read_image, register_custom_datasets
 from pet.data.categories import LabelSpace
-from pet.engine.common import call_model, model_device
-from pet.engine.defaults import build_test_model
+from pet.deploy.onnxruntime_model import OnnxRuntimeModel
 from pet.engine.inference import inference_precision
+from pet.engine.inference_timer import InferenceTimer
+from pet.engine.models import call_model, model_device
 from pet.engine.precision import Precision
-from pet.engine.timing import InferenceTimer
 from pet.predict.labels import ONNX_METADATA_KEY, label_space_from_checkpoint, model_label_space
 from pet.predict.sources import Collate, Picture, Preparer, Source, Work, build_loader
 from pet.predict.tiling import TileSpec, merge_tiles
@@ -188,44 +189,37 @@ class Predictor:
             raise ConfigError(f"The batch size and --vid-stride must be positive, got {batch_size} and {vid_stride}.")
         workers = self.cfg.DATA.NUM_WORKERS if num_workers is None else num_workers
         timer = InferenceTimer(num_warmup=self.cfg.TEST.NUM_WARMUP)
-        timer.ims_per_batch = 1 if self.tiles else batch_size
-        device = model_device(self.model)
-        timer.cuda_sync = device.type == "cuda"
-        timer.device = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        timer.configure(model_device(self.model), 1 if self.tiles else batch_size)
         stats = self.stats = PredictStats(timer)
         prepare = Preparer(self.augmentations, self.tiles, keep_original=with_images)
         start = time.perf_counter()
-        timer.iter_tic()
+        timer.tic("iter")
         for segment in source.segments():
             batches = iter(build_loader(source, segment, prepare, batch_size=batch_size, num_workers=workers,
                                         size_divisibility=self.cfg.INPUT.SIZE_DIVISIBILITY, vid_stride=vid_stride))
             try:
                 while True:
-                    timer.data_tic()
+                    timer.tic("data")
                     work = next(batches, None)
                     if work is None:
                         break
-                    timer.data_toc()
+                    timer.toc("data")
                     self._skip(work.unreadable, stats)
                     if not work.pictures:
                         continue
-                    timer.infer_tic()
-                    outputs = self._infer(work, timer)
-                    timer.wait()
-                    timer.infer_toc()
-                    timer.post_tic()
-                    results = self._post(work, outputs)
-                    timer.post_toc()
-                    timer.tic("output")
-                    for detections in results:
-                        stats.pictures += 1
-                        stats.detections += len(detections)
-                        stats.seconds = time.perf_counter() - start
-                        yield detections
-                    del results
-                    timer.toc("output")
-                    timer.iter_toc()
-                    timer.iter_tic()
+                    with timer.stage("infer", wait=True):
+                        outputs = self._infer(work, timer)
+                    with timer.stage("post"):
+                        results = self._post(work, outputs)
+                    with timer.stage("output"):
+                        for detections in results:
+                            stats.pictures += 1
+                            stats.detections += len(detections)
+                            stats.seconds = time.perf_counter() - start
+                            yield detections
+                        del results
+                    timer.toc("iter")
+                    timer.tic("iter")
             finally:
                 del batches  # shuts its workers down, also when the caller stops early
         stats.seconds = time.perf_counter() - start
@@ -310,8 +304,6 @@ class Predictor:
 
 def _onnx_model(path: str) -> tuple[torch.nn.Module, list[dict[str, Any]] | None]:
     """The ONNX export at ``path`` in onnxruntime, and the label space its metadata records."""
-    from pet.deploy.onnxruntime_model import OnnxRuntimeModel  # only this backend needs onnxruntime installed
-
     if not os.path.isfile(path):
         raise ConfigError(f"ONNX model not found: {path} (write one with tools/export.py, or give --model FILE).")
     model = OnnxRuntimeModel(path, threads=torch.get_num_threads())

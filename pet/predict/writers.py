@@ -17,7 +17,7 @@ Under the output folder (docs: README "Predict"):
 
 ``<name>`` is the picture's path under the input folder without its extension (``<video stem>_<frame>``
 for a frame), so sub-folders are mirrored and two ``a.jpg`` in different folders never collide. Files
-written once per picture are staged and renamed into place (:mod:`pet.evaluation.files`); files that grow
+written once per picture are staged and renamed into place (:mod:`pet.utils.files`); files that grow
 over the run (the CSV, the COCO JSON, an mp4) are renamed into place when the run completes, so a run
 killed half-way leaves only complete files.
 """
@@ -39,10 +39,10 @@ import yaml
 
 from pet.data.categories import LabelSpace
 from pet.evaluation.coco import detections_to_coco, masks_to_rle
-from pet.evaluation.files import atomic_open, atomic_path, write_bytes_atomic
 from pet.predict.predictor import Detections
 from pet.predict.sources import Source
 from pet.utils.errors import ConfigError, DataError
+from pet.utils.files import atomic_open, atomic_path, write_bytes_atomic
 from pet.utils.visualization import draw_detections
 
 __all__ = ["FORMATS", "PredictionWriter", "check_writable", "parse_formats"]
@@ -238,7 +238,7 @@ class PredictionWriter:
         fps = capture.get(cv2.CAP_PROP_FPS) or 25.0
         capture.release()
         self._video_stack = contextlib.ExitStack()
-        tmp = self._video_stack.enter_context(atomic_path(target))  # keeps .mp4: VideoWriter picks mp4 from it
+        tmp = self._video_stack.enter_context(atomic_path(target, keep_extension=True))  # VideoWriter picks mp4 by it
         writer = cv2.VideoWriter(tmp, cv2.VideoWriter_fourcc(*"mp4v"), max(fps / self.vid_stride, 1.0),
                                  (det.width, det.height))
         if not writer.isOpened():

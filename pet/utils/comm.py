@@ -53,7 +53,7 @@ def all_gather_object(obj: Any) -> list[Any]:
     """``[obj of rank 0, obj of rank 1, ...]`` on every rank.
 
     Under NCCL, torch moves the pickled bytes through the current CUDA device, which
-    :func:`pet.engine.defaults.init_distributed` sets to this process's GPU.
+    :func:`pet.cli.init_distributed` sets to this process's GPU.
     """
     if get_world_size() == 1:
         return [obj]

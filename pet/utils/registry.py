@@ -1,8 +1,10 @@
-"""Registries that build objects from config entries.
+"""The generic registry that builds objects from config entries.
 
 A config entry names a class either by its registry name (``PeriodicWriter``) or by a
 dotted import path (``my_project.writers.CSVWriter``), so user code plugs in without
-editing Pet.
+editing Pet. The registries themselves live with what they hold: the detectors' in
+:mod:`pet.modeling.build` and :mod:`pet.modeling.registry`, the evaluators' in
+:mod:`pet.evaluation.build`, the hooks' and writers' in :mod:`pet.engine`.
 """
 from __future__ import annotations
 
@@ -21,9 +23,6 @@ __all__ = [
     "locate",
     "resolve_spec",
     "build_from_spec",
-    "build_model",
-    "META_ARCH_REGISTRY",
-    "EVALUATOR_REGISTRY",
 ]
 
 
@@ -31,8 +30,8 @@ class Registry(_FvcoreRegistry):
     """fvcore's registry, plus dotted-path lookup, a did-you-mean error and a default module.
 
     ``default_module`` is imported on the first lookup of a name that is not registered
-    yet, so code that only holds a registry (the engine) can build classes registered
-    by a package it does not import (the models), the way MMEngine's default scope works.
+    yet, so entries that need optional packages can live in a module that is imported only
+    when one is named (the experiment-tracker writers), the way MMEngine's default scope works.
     """
 
     def __init__(self, name: str, default_module: str | None = None) -> None:
@@ -103,18 +102,3 @@ def _accepted_kwargs(cls: Any) -> set[str] | None:
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return None
     return {p.name for p in params}
-
-
-# Registries shared across packages. The engine builds models and evaluators through
-# them without importing pet.modeling / pet.evaluation (see Registry.default_module).
-META_ARCH_REGISTRY = Registry("meta-architecture", default_module="pet.modeling")
-EVALUATOR_REGISTRY = Registry("evaluator", default_module="pet.evaluation")
-
-
-def build_model(cfg: Any) -> Any:
-    """The detector named by ``MODEL.META_ARCHITECTURE``, built from ``cfg``, on the CPU.
-
-    The one way Pet builds a model (``pet.modeling.build_model`` is this function);
-    :func:`pet.engine.build.prepare_model` then places it on ``DEVICE`` for a run.
-    """
-    return META_ARCH_REGISTRY.get(cfg.MODEL.META_ARCHITECTURE)(cfg)

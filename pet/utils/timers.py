@@ -1,6 +1,6 @@
 """Named timers that model code can open without knowing about the engine.
 
-During testing the active :class:`pet.engine.timing.InferenceTimer` (a TestHook) is registered here, so a
+During testing the active :class:`pet.engine.inference_timer.InferenceTimer` (or TestHook) is registered here, so a
 model can time a part of itself by name::
 
     from pet.utils.timers import timed

@@ -15,7 +15,7 @@ from sahi.prediction import ObjectPrediction
 from sahi.slicing import get_slice_bboxes
 from sahi.utils.compatibility import fix_full_shape_list, fix_shift_amount_list
 
-from pet.engine.common import model_device
+from pet.engine.models import model_device
 from pet.predict import Detections, Predictor
 from pet.predict.sources import Collate, Preparer
 

@@ -102,7 +102,7 @@ def _exif_orientation(im: Any) -> int:
     ``Image.getexif()`` would decode a whole PNG to look for an EXIF chunk after the pixels;
     opencv only reads one before them, which is what ``info["exif"]`` holds after ``open``.
     """
-    from PIL import Image
+    from PIL import Image  # torchvision's dependency; only sets without sizes need it
 
     raw = im.info.get("exif")
     if raw:

@@ -1,4 +1,4 @@
-"""The hook contract: TrainHook, Priority and the dispatcher that calls hooks in order.
+"""The hook contract: TrainHook, Priority and the HookList that orders, calls, keys and times hooks.
 
 A hook overrides any of the mount points below. The trainer calls every point with
 keyword arguments only (always ``trainer=`` and ``storage=``, plus ``epoch=``/``max_epochs=``
@@ -12,9 +12,9 @@ points), so a hook declares just what it needs and swallows the rest with ``**kw
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from enum import IntEnum
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from fvcore.common.config import CfgNode
@@ -24,7 +24,11 @@ from pet.utils.errors import ConfigError
 from pet.utils.registry import Registry
 from pet.utils.table import format_table
 
-__all__ = ["Priority", "get_priority", "TrainHook", "TrainerLike", "HOOKS", "HookDispatcher", "MOUNT_POINTS"]
+if TYPE_CHECKING:  # the checkpointer's module builds on this one
+    from pet.engine.checkpointer import Checkpointer
+    from pet.engine.loops import TrainLoop
+
+__all__ = ["Priority", "get_priority", "TrainHook", "TrainerLike", "HOOKS", "HookList", "MOUNT_POINTS"]
 
 HOOKS = Registry("hook")
 HOOKS.__doc__ = "Hook classes by name, for HOOKS.CUSTOM / TEST.HOOKS entries in YAML."
@@ -81,6 +85,8 @@ class TrainerLike(Protocol):
     ``start_iter`` in ``before_train``, and after a failure the last completed one).
     ``epoch`` is the 0-based index of the current epoch. ``stop_training``: set it to end
     the run cleanly after this step (validation and the final checkpoint still happen).
+    ``checkpointer`` (:class:`pet.engine.checkpointer.Checkpointer`) writes and reads every checkpoint;
+    ``loop`` (:mod:`pet.engine.loops`) is the mode: ``loop.ends_period(iteration, n)`` counts in its unit.
     """
 
     cfg: CfgNode
@@ -91,7 +97,7 @@ class TrainerLike(Protocol):
     storage: EventStorage
     device: torch.device
     output_dir: str
-    hooks: list[TrainHook]
+    hooks: HookList
     iter: int
     start_iter: int
     max_iter: int
@@ -102,12 +108,10 @@ class TrainerLike(Protocol):
     last_step_seconds: float
     last_data_seconds: float
 
+    checkpointer: Checkpointer
+    loop: TrainLoop
+
     def call_hooks(self, point: str, **kwargs: Any) -> None: ...
-
-    def checkpoint_state(self) -> dict[str, Any]: ...
-
-    def save_checkpoint(self, filename: str, *, state: dict[str, Any] | None = None, update_last: bool = True,
-                        save_dir: str | None = None) -> str: ...
 
 
 class TrainHook:
@@ -188,43 +192,97 @@ class TrainHook:
         return trainer.stop_training or trainer.iter >= trainer.max_iter
 
 
-class HookDispatcher:
-    """Calls one mount point on every hook that overrides it, in priority order.
+class HookList:
+    """The trainer's hooks (``trainer.hooks``), and everything about them as a set, in one place.
 
-    Hooks that keep a point's no-op are skipped, so an idle mount point costs nothing.
-    The time spent in each (hook, point) is accumulated for :meth:`cost_table`. It is the
-    hook's own time: a hook that dispatches again through the same dispatcher (EvalHook
-    calling ``before_val`` / ``after_val`` on every hook, a checkpoint write calling
-    ``before_save_checkpoint``) is not charged for the hooks it triggers, so the table's
-    totals add up to the time spent in hooks, each counted once.
+    - **Order**: :meth:`add` inserts a hook by its ``priority`` (the hook's attribute, the one place a
+      priority lives; ``add(hook, priority)`` overrides it on that hook), lower first, equal ones in
+      registration order. Iterating, indexing and ``len`` follow this call order.
+    - **Dispatch**: calling the list, ``hooks("after_step", trainer=..., storage=...)``, calls that
+      mount point on every hook that overrides it, in order; hooks that keep a point's no-op are
+      skipped, so an idle mount point costs nothing.
+    - **State keys**: :meth:`state_dicts` / :meth:`load_state_dicts` key each stateful hook by its
+      class name, then ``Name.1``, ``Name.2``, ... in *registration* order, so changing one hook's
+      priority does not swap the states of two hooks of the same class, and the first hook of a
+      class keeps the plain name (checkpoints from before repeats were keyed load).
+    - **Time**: each (hook, point) accumulates its own time for :meth:`cost_table`. A hook that
+      dispatches again through the same list (EvalHook calling ``before_val`` / ``after_val`` on
+      every hook, a checkpoint write calling ``before_save_checkpoint``) is not charged for the hooks
+      it triggers, so the table's totals add up to the time spent in hooks, each counted once.
     """
 
-    def __init__(self, hooks: Iterable[TrainHook]) -> None:
-        self.hooks = list(hooks)
-        self._calls: dict[str, list[tuple[int, Any]]] = {}
-        for point in MOUNT_POINTS:
-            self._calls[point] = [
-                (index, getattr(hook, point))
-                for index, hook in enumerate(self.hooks)
-                if _overrides(hook, point)
-            ]
-        self._seconds = [[0.0] * len(MOUNT_POINTS) for _ in self.hooks]
-        self._counts = [[0] * len(MOUNT_POINTS) for _ in self.hooks]
+    def __init__(self, hooks: Iterable[TrainHook] = ()) -> None:
+        self._hooks: list[TrainHook] = []  # call order
+        self._registered: list[TrainHook] = []
+        self._calls: dict[str, list[tuple[TrainHook, Any]]] = {point: [] for point in MOUNT_POINTS}
         self._point_index = {point: i for i, point in enumerate(MOUNT_POINTS)}
+        self._seconds: dict[int, list[float]] = {}  # id(hook) -> seconds per mount point
+        self._counts: dict[int, list[int]] = {}
         self._charged = 0.0  # every second charged so far, nested calls included
+        for hook in hooks:
+            self.add(hook)
+
+    def add(self, hook: TrainHook, priority: int | str | Priority | None = None) -> None:
+        """Insert ``hook`` by its priority (``priority`` given: set on the hook first)."""
+        if priority is not None:
+            hook.priority = get_priority(priority)
+        value = get_priority(hook.priority)
+        position = sum(1 for other in self._hooks if get_priority(other.priority) <= value)
+        self._hooks.insert(position, hook)
+        self._registered.append(hook)
+        self._seconds[id(hook)] = [0.0] * len(MOUNT_POINTS)
+        self._counts[id(hook)] = [0] * len(MOUNT_POINTS)
+        for point in MOUNT_POINTS:
+            self._calls[point] = [(h, getattr(h, point)) for h in self._hooks if _overrides(h, point)]
+
+    def __iter__(self) -> Iterator[TrainHook]:
+        return iter(self._hooks)
+
+    def __len__(self) -> int:
+        return len(self._hooks)
+
+    def __getitem__(self, index: int) -> TrainHook:
+        return self._hooks[index]
 
     def __call__(self, point: str, **kwargs: Any) -> None:
         column = self._point_index[point]
         clock = time.perf_counter
-        for index, method in self._calls[point]:
+        for hook, method in self._calls[point]:
             # What nested dispatches charge during this call is their hooks' time, not this one's.
             charged_before = self._charged
             start = clock()
             method(**kwargs)
             own = clock() - start - (self._charged - charged_before)
-            self._seconds[index][column] += own
+            self._seconds[id(hook)][column] += own
             self._charged += own
-            self._counts[index][column] += 1
+            self._counts[id(hook)][column] += 1
+
+    # ------------------------------------------------------------------ state
+    def _stateful(self) -> list[tuple[str, TrainHook]]:
+        seen: dict[str, int] = {}
+        keyed = []
+        for hook in self._registered:
+            if hasattr(hook, "state_dict"):
+                name = type(hook).__name__
+                repeat = seen.get(name, 0)
+                seen[name] = repeat + 1
+                keyed.append((f"{name}.{repeat}" if repeat else name, hook))
+        return keyed
+
+    def state_dicts(self) -> dict[str, Any]:
+        """``{key: hook.state_dict()}`` for every hook with a ``state_dict`` (keys: see the class docstring)."""
+        return {key: hook.state_dict() for key, hook in self._stateful()}
+
+    def load_state_dicts(self, states: dict[str, Any]) -> None:
+        """Give each stateful hook its entry of ``states`` (as :meth:`state_dicts` keyed it), when there is one."""
+        for key, hook in self._stateful():
+            if states.get(key) is not None and hasattr(hook, "load_state_dict"):
+                hook.load_state_dict(states[key])
+
+    # ------------------------------------------------------------------ reports
+    def order_table(self) -> str:
+        """A table of priority and hook, in call order."""
+        return format_table(("priority", "hook"), [(get_priority(h.priority), repr(h)) for h in self._hooks])
 
     def total_seconds(self) -> float:
         """Seconds spent in hooks, each counted once."""
@@ -233,10 +291,10 @@ class HookDispatcher:
     def costs(self) -> list[tuple[TrainHook, str, int, float]]:
         """``(hook, point, calls, own seconds)`` for every (hook, point) that ran, in hook order."""
         return [
-            (hook, point, self._counts[index][column], self._seconds[index][column])
-            for index, hook in enumerate(self.hooks)
+            (hook, point, self._counts[id(hook)][column], self._seconds[id(hook)][column])
+            for hook in self._hooks
             for column, point in enumerate(MOUNT_POINTS)
-            if self._counts[index][column]
+            if self._counts[id(hook)][column]
         ]
 
     def cost_table(self) -> str:

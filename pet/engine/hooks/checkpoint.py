@@ -1,28 +1,24 @@
 """CheckpointHook (periodic, last, final, published) and BestCheckpointHook (best per metric).
 
-Both write atomically through ``trainer.save_checkpoint`` and keep their book-keeping in
-their ``state_dict``, so a resumed run prunes and compares exactly as an uninterrupted one.
+Both decide when a checkpoint is due and what it is called; ``trainer.checkpointer``
+(:class:`pet.engine.checkpointer.Checkpointer`) writes, prunes and links the files. They keep their
+book-keeping in their ``state_dict``, so a resumed run prunes and compares exactly as an uninterrupted one.
 """
 from __future__ import annotations
 
-import hashlib
-import io
 import logging
 import os
 import re
-import shutil
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from fvcore.common.config import CfgNode
 
-from pet.engine.checkpoint import atomic_write_bytes, load_checkpoint, temporary_path, write_last_checkpoint
-from pet.engine.common import is_better, metric_rule
 from pet.engine.hooks.base import HOOKS, Priority, TrainerLike, TrainHook
 from pet.engine.hooks.evaluation import EvalHook
+from pet.engine.metrics import is_better, metric_rule
 from pet.utils import comm
-from pet.utils.errors import ConfigError, TrainingError
+from pet.utils.errors import ConfigError
 
 __all__ = ["CheckpointHook", "BestCheckpointHook"]
 
@@ -39,16 +35,6 @@ def _as_list(value: str | Sequence[str] | None) -> list[str]:
     return [str(v) for v in value if v]
 
 
-def _state_for_file(trainer: TrainerLike, save_optimizer: bool, save_scheduler: bool) -> dict[str, Any]:
-    state = trainer.checkpoint_state()
-    if not save_optimizer:
-        state.pop("optimizer", None)
-        state.pop("grad_scaler", None)
-    if not save_scheduler:
-        state.pop("scheduler", None)
-    return state
-
-
 @HOOKS.register()
 class CheckpointHook(TrainHook):
     """Writes the regular checkpoints of a run; ``last_checkpoint`` names the newest.
@@ -58,12 +44,13 @@ class CheckpointHook(TrainHook):
     or epochs with ``by_epoch``; ``period <= 0``: none but the last), and, with
     ``save_last``, after the last iteration, which is also published as ``model_final.pth``
     (a hard link: no extra disk). A run stopped through ``trainer.stop_training``
-    (early stopping) gets that last checkpoint too, a run stopped by SIGTERM / SIGINT a
-    regular one (:meth:`save_now`, called by the trainer); a failed run none. ``max_keep`` > 0
-    keeps only the newest N regular checkpoints this hook knows of. ``save_optimizer`` /
-    ``save_scheduler`` False make them smaller but a resume then restarts the optimizer's
-    momentum / the schedule. ``published_keys`` writes, after training, a copy of the
-    final checkpoint with only those top-level keys (``["model"]`` for deployment) named
+    (early stopping) gets that last checkpoint too, a run stopped by SIGTERM / SIGINT or a
+    dead data-loading worker a regular one (:meth:`save_now`, the checkpointer's
+    ``stop_saver``); a failed run none. ``max_keep`` > 0 keeps only the newest N regular
+    checkpoints this hook knows of. ``save_optimizer`` / ``save_scheduler`` False make them
+    smaller but a resume then restarts the optimizer's momentum / the schedule.
+    ``published_keys`` writes, after training, a copy of the final checkpoint with only
+    those top-level keys (``["model"]`` for deployment) named
     ``model_final-{first 8 hex digits of its sha256}.pth``.
 
     Runs last (VERY_LOW) so a checkpoint holds what every other hook did in that step,
@@ -72,27 +59,12 @@ class CheckpointHook(TrainHook):
 
     priority = Priority.VERY_LOW
 
-    def __init__(
-        self,
-        period: int = 5000,
-        *,
-        by_epoch: bool = False,
-        save_optimizer: bool = True,
-        save_scheduler: bool = True,
-        out_dir: str = "",
-        max_keep: int = -1,
-        save_last: bool = True,
-        save_begin: int = 0,
-        published_keys: Sequence[str] = (),
-    ) -> None:
-        self.period = period
-        self.by_epoch = by_epoch
-        self.save_optimizer = save_optimizer
-        self.save_scheduler = save_scheduler
-        self.out_dir = out_dir
-        self.max_keep = max_keep
-        self.save_last = save_last
-        self.save_begin = save_begin
+    def __init__(self, period: int = 5000, *, by_epoch: bool = False, save_optimizer: bool = True,
+                 save_scheduler: bool = True, out_dir: str = "", max_keep: int = -1, save_last: bool = True,
+                 save_begin: int = 0, published_keys: Sequence[str] = ()) -> None:
+        self.period, self.by_epoch, self.save_begin = period, by_epoch, save_begin
+        self.save_optimizer, self.save_scheduler = save_optimizer, save_scheduler
+        self.out_dir, self.max_keep, self.save_last = out_dir, max_keep, save_last
         self.published_keys = _as_list(published_keys)
         self.kept: list[str] = []
         self.last_saved_iter = -1
@@ -109,6 +81,8 @@ class CheckpointHook(TrainHook):
     def before_train(self, trainer: TrainerLike, **kwargs: Any) -> None:
         if self.by_epoch and trainer.max_epochs <= 0:
             raise ConfigError("HOOKS.CHECKPOINT.BY_EPOCH needs epoch mode (SOLVER.MAX_EPOCHS > 0)")
+        if trainer.checkpointer.stop_saver is None:  # the first CheckpointHook saves a stop's checkpoint
+            trainer.checkpointer.stop_saver = lambda: self.save_now(trainer)
 
     def after_step(self, trainer: TrainerLike, **kwargs: Any) -> None:
         if self.by_epoch:
@@ -122,9 +96,9 @@ class CheckpointHook(TrainHook):
             return  # a failed or interrupted run: its last good checkpoint stays the newest
         if self.save_last or trainer.stop_training:
             self._save_unless_saved(trainer)
-            self._write_final(trainer)
+            trainer.checkpointer.link_final(self.last_saved_name, self._dir(trainer))
             if self.published_keys:
-                self._publish(trainer)
+                trainer.checkpointer.publish(self.published_keys, self._dir(trainer))
 
     def after_load_checkpoint(self, trainer: TrainerLike, checkpoint: dict[str, Any], **kwargs: Any) -> None:
         # A checkpoint the trainer wrote itself (a signal stop in a run without this hook) is a
@@ -173,59 +147,11 @@ class CheckpointHook(TrainHook):
         self.kept.append(name)
         stale = self.kept[:-self.max_keep] if self.max_keep > 0 else []
         self.kept = self.kept[len(stale):]
-        if not comm.is_main_process():
-            return
         directory = self._dir(trainer)
-        state = _state_for_file(trainer, self.save_optimizer, self.save_scheduler)
-        trainer.save_checkpoint(name, state=state, update_last=False, save_dir=directory)
-        same_dir = os.path.abspath(directory) == os.path.abspath(trainer.output_dir)
-        write_last_checkpoint(trainer.output_dir, name if same_dir else os.path.abspath(os.path.join(directory, name)))
+        checkpointer = trainer.checkpointer
+        checkpointer.save(name, save_dir=directory, optimizer=self.save_optimizer, scheduler=self.save_scheduler)
         for old in stale:  # only once last_checkpoint names the new, complete file
-            path = os.path.join(directory, old)
-            if os.path.isfile(path):
-                os.remove(path)
-                logger.info(f"Removed {path} (HOOKS.CHECKPOINT.MAX_KEEP {self.max_keep})")
-
-    def _write_final(self, trainer: TrainerLike) -> None:
-        """``model_final.pth``: a hard link to the last regular checkpoint (a copy where links fail)."""
-        if not comm.is_main_process():
-            return
-        directory = self._dir(trainer)
-        source = os.path.join(directory, self.last_saved_name)
-        target = os.path.join(directory, "model_final.pth")
-        tmp = temporary_path(target)
-        try:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            try:
-                os.link(source, tmp)
-            except OSError:
-                shutil.copyfile(source, tmp)
-            os.replace(tmp, target)
-        except OSError as exc:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise TrainingError(f"Could not write {target}: {exc.strerror or exc}; {source} is complete") from exc
-        logger.info(f"Final checkpoint {target} (= {self.last_saved_name})")
-
-    def _publish(self, trainer: TrainerLike) -> None:
-        if not comm.is_main_process():
-            return
-        directory = self._dir(trainer)
-        final = load_checkpoint(os.path.join(directory, "model_final.pth"))
-        missing = [k for k in self.published_keys if k not in final]
-        if missing:
-            logger.warning(f"HOOKS.CHECKPOINT.PUBLISHED_KEYS {missing} are not in the checkpoint "
-                           f"(it has {sorted(final)}); they are left out of the published file")
-        slim = {k: final[k] for k in self.published_keys if k in final}
-        if not slim:
-            return
-        buffer = io.BytesIO()
-        torch.save(slim, buffer)
-        data = buffer.getvalue()
-        path = os.path.join(directory, f"model_final-{hashlib.sha256(data).hexdigest()[:8]}.pth")
-        atomic_write_bytes(data, path)
-        logger.info(f"Published {path} with keys {sorted(slim)} ({len(data) / 2**20:.1f} MiB)")
+            checkpointer.remove(old, directory, f"HOOKS.CHECKPOINT.MAX_KEEP {self.max_keep}")
 
     def state_dict(self) -> dict[str, Any]:
         return {"kept": list(self.kept), "last_saved_iter": self.last_saved_iter,
@@ -247,7 +173,7 @@ class BestCheckpointHook(TrainHook):
 
     ``metrics``: validation metric names (``"auto"``: the first metric of the first
     validation); ``rule``: ``"greater"`` / ``"less"`` for all of them or one per metric,
-    empty to infer it from the name (see :func:`pet.engine.common.metric_rule`). The file
+    empty to infer it from the name (see :func:`pet.engine.metrics.metric_rule`). The file
     holds the full training state plus ``"best": {metric, value, iter}``; it never counts
     towards CheckpointHook's ``max_keep``, and ``last_checkpoint`` never names it.
 
@@ -307,9 +233,9 @@ class BestCheckpointHook(TrainHook):
             if not comm.is_main_process():
                 continue
             name = "model_best_" + re.sub(r"[^A-Za-z0-9._-]+", "_", metric) + ".pth"
-            state = _state_for_file(trainer, self.save_optimizer, self.save_scheduler)
-            state["best"] = {"metric": metric, "value": self.best[metric], "iter": trainer.iter}
-            trainer.save_checkpoint(name, state=state, update_last=False, save_dir=self.out_dir or trainer.output_dir)
+            best = {"metric": metric, "value": self.best[metric], "iter": trainer.iter}
+            trainer.checkpointer.save(name, save_dir=self.out_dir, update_last=False, optimizer=self.save_optimizer,
+                                      scheduler=self.save_scheduler, extra={"best": best})
             logger.info(f"New best {metric} {self.best[metric]:.4f} after iteration {trainer.iter}: {name}")
 
     def _improved(self, metrics: dict[str, float], completed: int) -> list[str]:

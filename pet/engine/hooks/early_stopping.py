@@ -7,9 +7,9 @@ from typing import Any
 
 from fvcore.common.config import CfgNode
 
-from pet.engine.common import is_better, metric_rule
 from pet.engine.hooks.base import HOOKS, Priority, TrainerLike, TrainHook
 from pet.engine.hooks.evaluation import EvalHook
+from pet.engine.metrics import is_better, metric_rule
 from pet.utils.errors import ConfigError
 
 __all__ = ["EarlyStoppingHook"]

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from fvcore.common.config import CfgNode
 
-from pet.engine.common import unwrap_model
 from pet.engine.hooks.base import HOOKS, Priority, TrainerLike, TrainHook
+from pet.engine.models import unwrap_model
 from pet.utils.errors import ConfigError
 
 __all__ = ["EMAHook"]
@@ -50,11 +50,8 @@ class EMAHook(TrainHook):
             raise ConfigError(f"HOOKS.EMA.MOMENTUM must be in (0, 1], got {momentum}")
         if period < 1:
             raise ConfigError(f"HOOKS.EMA.PERIOD must be >= 1, got {period}")
-        self.momentum = momentum
-        self.period = period
-        self.begin_iter = begin_iter
-        self.begin_epoch = begin_epoch
-        self.anneal_iters = anneal_iters
+        self.momentum, self.period, self.anneal_iters = momentum, period, anneal_iters
+        self.begin_iter, self.begin_epoch = begin_iter, begin_epoch
         self.steps = 0  # averaging updates done
         self._params: list[torch.nn.Parameter] = []
         self._index: dict[str, int] = {}  # state_dict name (tied weights: every alias) -> position

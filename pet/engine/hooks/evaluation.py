@@ -10,9 +10,10 @@ from typing import Any
 from fvcore.common.config import CfgNode
 
 from pet.data.build import per_process_batch_size
-from pet.engine.common import flatten_metrics, unwrap_model
 from pet.engine.hooks.base import HOOKS, Priority, TrainerLike, TrainHook
 from pet.engine.inference import evaluate_on_datasets
+from pet.engine.metrics import flatten_metrics
+from pet.engine.models import unwrap_model
 from pet.utils import comm
 
 __all__ = ["EvalHook", "default_eval_function"]
@@ -67,11 +68,7 @@ class EvalHook(TrainHook):
     def after_step(self, trainer: TrainerLike, **kwargs: Any) -> None:
         # Epoch mode validates in the step that ends the epoch (not in after_epoch), so the
         # writers and CheckpointHook of this very step see the metrics.
-        if trainer.max_epochs > 0:
-            due = self.every_n_epochs(trainer, self.period) or (
-                self.is_epoch_end(trainer) and self.epochs_completed(trainer) >= trainer.max_epochs)
-        else:
-            due = self.every_n_iters(trainer, self.period) or self.is_last_iter(trainer)
+        due = trainer.loop.ends_period(trainer.iter, self.period) or self.is_last_iter(trainer)
         if due or trainer.stop_training:
             self.evaluate(trainer)
 

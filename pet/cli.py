@@ -1,0 +1,178 @@
+"""What the entry points (tools/*.py) share: argument parsing, set-up, building the trainer or the
+test model from the config, and clean failure.
+
+Outside :mod:`pet.engine`: it sets up a whole run (config, process group, logging, datasets) and builds
+the model through :mod:`pet.modeling`, which the engine never imports.
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import random
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from fvcore.common.config import CfgNode
+
+from pet.config import load_cfg
+from pet.data import register_custom_datasets
+from pet.data.workers import WORKER_DIED_EXIT_CODE, remedy, worker_death
+from pet.engine.build import prepare_model
+from pet.engine.checkpoint import write_failure_remedy
+from pet.engine.models import resolve_device, unwrap_model
+from pet.engine.trainer import Trainer
+from pet.modeling import build_model
+from pet.utils import comm
+from pet.utils.errors import PetError
+from pet.utils.logger import setup_logger
+from pet.utils.model_summary import log_model_summary
+from pet.utils.weights import load_weights
+
+__all__ = [
+    "default_argument_parser",
+    "default_setup",
+    "build_trainer",
+    "build_test_model",
+    "launch_cli",
+    "init_distributed",
+    "distributed_backend",
+    "seed_everything",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def default_argument_parser(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--cfg", dest="cfg_file", required=True, metavar="FILE", help="YAML config file")
+    parser.add_argument("--unsafe-load", action="store_true",
+                        help="load checkpoints with weights_only=False (only for files you trust)")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                        help="accepted for torch.distributed.launch; torchrun sets LOCAL_RANK instead")
+    parser.add_argument("opts", nargs=argparse.REMAINDER, metavar="KEY VALUE",
+                        help="config overrides, e.g. SOLVER.BASE_LR 0.01")
+    return parser
+
+
+def distributed_backend(device: torch.device) -> str:
+    """``nccl`` when this process runs on a CUDA device, ``gloo`` otherwise.
+
+    The choice follows the run's device, not whether CUDA exists: a ``DEVICE cpu`` run on
+    a GPU machine needs gloo, because NCCL cannot move CPU tensors.
+    """
+    return dist.Backend.NCCL if device.type == "cuda" else dist.Backend.GLOO
+
+
+def init_distributed(local_rank: int | None = None, device: str = "auto") -> None:
+    """Join the process group described by torchrun's environment (no-op without it).
+
+    ``device`` is the config's ``DEVICE`` (resolved as the trainer does, per ``LOCAL_RANK``);
+    on CUDA it becomes this process's current device and the backend is NCCL, else gloo.
+    """
+    if local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return
+    run_device = resolve_device(device)
+    if run_device.type == "cuda":
+        torch.cuda.set_device(run_device)
+    dist.init_process_group(backend=distributed_backend(run_device))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def default_setup(cfg_file: str, opts: list[str], local_rank: int | None = None) -> CfgNode:
+    """Load the config, join the process group, set up logging, threads and seeds, register ``DATA.CUSTOM``."""
+    cfg = load_cfg(cfg_file, opts)
+    init_distributed(local_rank, cfg.DEVICE)
+    rank = comm.get_rank()
+    setup_logger(cfg.CKPT, rank)
+    logger.info(f"Rank {rank} of {comm.get_world_size()}; config {cfg_file}; overrides {opts}")
+    if cfg.NUM_THREADS > 0:
+        torch.set_num_threads(cfg.NUM_THREADS)
+    seed = cfg.SEED if cfg.SEED >= 0 else int.from_bytes(os.urandom(2), "little")
+    seed_everything(seed + rank)
+    register_custom_datasets(cfg)
+    return cfg
+
+
+def build_trainer(cfg: CfgNode, *, resume: bool = False, unsafe: bool = False, weights_only: bool = False,
+                  **parts: Any) -> Trainer:
+    """A :class:`Trainer` set up as tools/train_net.py runs it, ready for ``train()``.
+
+    ``parts`` (model, optimizer, scheduler, data_loader, default_hooks) go to the Trainer;
+    the rest is built from ``cfg``. Building fails on a bad model, data, hook or writer
+    setting before anything is written; then the main process writes ``CKPT/config.yaml``
+    and logs the model summary, and the trainer resumes from ``last_checkpoint`` when
+    ``resume`` or ``TRAIN.AUTO_RESUME`` (else loads ``TRAIN.WEIGHTS``); ``weights_only``
+    resumes all but the optimizer's state.
+    """
+    trainer = Trainer(cfg, **parts)
+    if comm.is_main_process():
+        os.makedirs(cfg.CKPT, exist_ok=True)
+        with open(os.path.join(cfg.CKPT, "config.yaml"), "w", encoding="utf-8") as f:
+            f.write(cfg.dump())
+        log_model_summary(unwrap_model(trainer.model), cfg)
+    trainer.resume_or_load(resume=resume or weights_only or cfg.TRAIN.AUTO_RESUME, unsafe=unsafe,
+                           weights_only=weights_only)
+    return trainer
+
+
+def build_test_model(cfg: CfgNode, *, weights: str = "", unsafe: bool = False) -> torch.nn.Module:
+    """The model of ``cfg`` with ``weights`` (default: ``TEST.WEIGHTS``, else ``CKPT/model_final.pth``) loaded,
+    on ``DEVICE``, as tools/test_net.py evaluates it.
+
+    Weights that leave part of the model at its initial values are a :class:`ConfigError` naming the part,
+    unless ``TEST.ALLOW_RANDOM_WEIGHTS`` (:func:`pet.utils.weights.load_weights` with ``for_inference``)."""
+    model = prepare_model(build_model(cfg), cfg)
+    load_weights(model, weights or cfg.TEST.WEIGHTS or os.path.join(cfg.CKPT, "model_final.pth"), unsafe=unsafe,
+                 for_inference=True, allow_random=cfg.TEST.ALLOW_RANDOM_WEIGHTS)
+    if comm.is_main_process():
+        log_model_summary(model, cfg)
+    return model
+
+
+_WRITE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def launch_cli(main: Callable[[], None]) -> None:
+    """Run ``main``; a :class:`PetError`, or a file that cannot be written (an unwritable or full
+    ``CKPT`` before any checkpoint exists), becomes one line on stderr and exit status 2 (or the
+    error's ``exit_code``); a data-loading worker that died, one line and exit status 75."""
+    try:
+        main()
+    except PetError as exc:
+        _exit_with_one_line(str(exc), getattr(exc, "exit_code", 2))
+    except OSError as exc:
+        if exc.errno not in _WRITE_ERRNOS or not exc.filename:
+            raise
+        advice = write_failure_remedy(exc, os.path.dirname(os.path.abspath(exc.filename)))
+        _exit_with_one_line(f"Could not write {exc.filename}: {exc.strerror}; {advice}.", 2)
+    except RuntimeError as exc:
+        # torch's worker-death error raised before Pet's fetch watched for it (the first batch)
+        death = worker_death(exc)
+        if death is None:
+            raise
+        _exit_with_one_line(f"Stopped: a {death}. Run the same command again (training resumes from its last "
+                            f"checkpoint); if it happens again, {remedy(None)}.", WORKER_DIED_EXIT_CODE)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _exit_with_one_line(message: str, exit_code: int) -> None:
+    for handler in logging.getLogger("pet").handlers:
+        if isinstance(handler, logging.FileHandler):  # the terminal gets the line below, once
+            handler.emit(logging.makeLogRecord({"name": "pet", "levelname": "ERROR", "levelno": 40, "msg": message}))
+    print(f"Error: {message}", file=sys.stderr)
+    sys.exit(exit_code)
