@@ -335,6 +335,8 @@ def test_doc_yaml_examples_are_valid_configs(tmp_path, monkeypatch):
     (tmp_path / "my_project" / "__init__.py").write_text("")
     (tmp_path / "my_project" / "heads.py").write_text(plugin)
     monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("my_project", "my_project.heads"):  # another test's my_project may be imported already
+        monkeypatch.delitem(sys.modules, name, raising=False)
     for i, block in enumerate(blocks):
         (tmp_path / f"{i}.yaml").write_text(block)
         load_cfg(str(tmp_path / f"{i}.yaml"), ["CKPT", str(tmp_path / "run")])
