@@ -138,6 +138,25 @@ def test_a_raising_sigchld_handler_becomes_a_note_read_at_the_next_fetch():
         signal.signal(signal.SIGCHLD, previous)
 
 
+def test_a_death_noted_for_an_earlier_iteration_does_not_stop_the_next_one():
+    """A death noted after a run's last fetch (another run in the same process, a finished loader) belongs to
+    that run: a new iteration's fetches ignore it, while the iteration it was noted in still reports it."""
+    def torchs_handler(signum, frame):
+        raise RuntimeError("DataLoader worker (pid 7) is killed by signal: Killed. ")
+
+    previous = signal.signal(signal.SIGCHLD, torchs_handler)
+    try:
+        first = iter(range(3))
+        assert fetch(first) == (0, None)
+        signal.raise_signal(signal.SIGCHLD)  # noted after the first run's last fetch
+        second = iter(range(10, 13))
+        assert fetch(second) == (10, None)
+        signal.raise_signal(signal.SIGCHLD)
+        assert fetch(second)[1] is not None  # the iteration it happened in still hears of it
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+
+
 def test_a_worker_of_the_test_loader_dying_is_one_line_and_exit_75(shapes_set, tmp_path):
     data = shapes_set(num_train=8, num_val=8)
     ckpt = str(tmp_path / "train")

@@ -70,6 +70,7 @@ def fetch(iterator: Iterator[Any]) -> tuple[Any, str | None]:
     up to two seconds for its SIGCHLD), or as a death signalled since the last fetch. StopIteration
     and Pet's own errors (a corrupt image) pass through. Each death is reported once.
     """
+    _WATCH.follow(iterator)
     try:
         batch = next(iterator)
     except (StopIteration, PetError):
@@ -111,6 +112,14 @@ class _SigchldWatch:
         self.death: str | None = None
         self._wrapped: Callable[..., Any] | None = None
         self._inside = False
+        self._iterator_id: int | None = None  # an id, not the iterator: a reference would keep its workers alive
+
+    def follow(self, iterator: Iterator[Any]) -> None:
+        """Fetches now come from ``iterator``: a death noted before its first fetch belonged to an earlier
+        iteration (another run in this process, a loader already finished) and is forgotten."""
+        if self._iterator_id != id(iterator):
+            self._iterator_id = id(iterator)
+            self.death = None
 
     def arm(self) -> None:
         if threading.current_thread() is not threading.main_thread():
