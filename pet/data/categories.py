@@ -27,7 +27,7 @@ from torchvision.models.detection import FasterRCNN_ResNet50_FPN_Weights
 
 from pet.utils.errors import ConfigError
 
-__all__ = ["LabelSpace", "LABEL_SPACES", "coco_names_by_id", "coco_categories"]
+__all__ = ["LabelSpace", "LabeledDataset", "LABEL_SPACES", "coco_names_by_id", "coco_categories"]
 
 LABEL_SPACES = ("contiguous", "category_id")
 
@@ -141,3 +141,22 @@ class LabelSpace:
         if [int(e["label"]) for e in entries] != list(range(1, len(entries) + 1)):
             raise ValueError("label space entries must have labels 1..K")
         return cls(tuple(int(e["id"]) for e in entries), tuple(str(e["name"]) for e in entries))
+
+
+class LabeledDataset:
+    """The label views a dataset with a ``label_space`` attribute offers (evaluation and the tools read them)."""
+
+    label_space: LabelSpace
+
+    @property
+    def class_names(self) -> list[str]:
+        """The name of each label: label ``L`` is ``class_names[L - 1]`` (prefer ``label_space.name(L)``)."""
+        return list(self.label_space.names)
+
+    @property
+    def label_to_category_id(self) -> dict[int, int]:
+        return self.label_space.label_to_category_id
+
+    @property
+    def category_id_to_label(self) -> dict[int, int]:
+        return self.label_space.category_id_to_label

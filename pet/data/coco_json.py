@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from pycocotools.coco import COCO
 
-from pet.data.categories import LabelSpace
+from pet.data.categories import LabeledDataset, LabelSpace
 from pet.data.formats.common import image_size
 from pet.utils.errors import DataError
 
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 _OUTSIDE_TOLERANCE = 1.0
 
 
-class COCODataset:
+class COCODataset(LabeledDataset):
     """One validated COCO annotation file.
 
     Attributes:
@@ -69,19 +69,6 @@ class COCODataset:
         self.label_space = LabelSpace.contiguous(self.categories)
         self.records = records
         self.annotations_without_mask = list(annotations_without_mask)
-
-    @property
-    def class_names(self) -> list[str]:
-        """Category names by increasing id: label ``i + 1`` is ``class_names[i]``."""
-        return list(self.label_space.names)
-
-    @property
-    def label_to_category_id(self) -> dict[int, int]:
-        return self.label_space.label_to_category_id
-
-    @property
-    def category_id_to_label(self) -> dict[int, int]:
-        return self.label_space.category_id_to_label
 
     def __len__(self) -> int:
         return len(self.records)

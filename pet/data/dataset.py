@@ -16,7 +16,7 @@ import cv2
 import numpy as np
 import torch
 
-from pet.data.categories import LabelSpace
+from pet.data.categories import LabeledDataset, LabelSpace
 from pet.data.coco_json import COCODataset
 from pet.utils.errors import DataError
 
@@ -51,7 +51,7 @@ class LoadFailure:
         self.message = message
 
 
-class DetectionDataset(torch.utils.data.Dataset):
+class DetectionDataset(LabeledDataset, torch.utils.data.Dataset):
     """One or more :class:`COCODataset` concatenated, decoded and mapped into training/test samples.
 
     The label space must be the same in every dataset. Records are pickled into one
@@ -116,19 +116,6 @@ class DetectionDataset(torch.utils.data.Dataset):
                       for r in records]
         self._offsets = np.cumsum([0] + [len(s) for s in serialized])
         self._buffer = np.concatenate(serialized)
-
-    @property
-    def class_names(self) -> list[str]:
-        """The name of each label: label ``L`` is ``class_names[L - 1]`` (prefer ``label_space.name(L)``)."""
-        return list(self.label_space.names)
-
-    @property
-    def label_to_category_id(self) -> dict[int, int]:
-        return self.label_space.label_to_category_id
-
-    @property
-    def category_id_to_label(self) -> dict[int, int]:
-        return self.label_space.category_id_to_label
 
     def __len__(self) -> int:
         return len(self._offsets) - 1
