@@ -30,8 +30,8 @@ from pet.config import load_cfg
 from pet.data import DatasetMapper, collate_batch, read_image
 from pet.deploy.backend import choose_backend, exported_models, int8_path
 from pet.deploy.int8 import int8_image_sets
-from pet.engine import precision as precision_module
 from pet.modeling import build_model
+from pet.utils import cpu as cpu_module
 from pet.utils.errors import DataError
 
 CFG = os.path.join(CFGS, "shapes", "faster_rcnn_R-18-FPN.yaml")
@@ -138,7 +138,7 @@ def test_int8_calibrated_on_training_images_passes_its_gate_and_is_written(int8_
     assert gate["ap"]["float32"]["bbox"] > 90  # the pseudo labels are the float model's own detections
     # What runs int8 is chosen on the selection images; this random model loses AP in some parts.
     assert set(meta["pet.int8.parts"].split(",")) <= {"backbone.body", "backbone.fpn", "rpn.head", "roi_heads.box_head"}
-    assert meta["pet.int8.reduce_range"] == str(not precision_module.cpu_int8_support().native)
+    assert meta["pet.int8.reduce_range"] == str(not cpu_module.cpu_int8_support().native)
     ops = {node.op_type for node in onnx.load(path).graph.node}
     assert {"QuantizeLinear", "DequantizeLinear", "NonMaxSuppression", "RoiAlign"} <= ops
 
@@ -217,7 +217,7 @@ def test_auto_chooses_by_the_cpu_class_as_the_benchmark_table_says(monkeypatch, 
     flags, capability = cpu
     for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(precision_module, "_cpu_flags", lambda: {"avx2": True, **flags})
+    monkeypatch.setattr(cpu_module, "_cpu_flags", lambda: {"avx2": True, **flags})
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     choice = choose_backend(load_cfg(CFG, ["DEVICE", "cpu", *opts]), available)
     assert (choice.backend, choice.model, choice.precision) == expected

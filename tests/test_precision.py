@@ -20,8 +20,10 @@ from conftest import InfiniteToyLoader, ToyModel
 from pet.config import load_cfg
 from pet.engine import precision as precision_module
 from pet.engine.inference import inference_on_dataset, inference_precision
-from pet.engine.precision import NativeSupport, choose_precision, cpu_class, cpu_int8_support, cpu_native_support
+from pet.engine.precision import choose_precision
 from pet.engine.trainer import Trainer
+from pet.utils import cpu as cpu_module
+from pet.utils.cpu import NativeSupport, cpu_class, cpu_int8_support, cpu_native_support
 from pet.utils.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,7 +65,7 @@ def train_toy_on(emulation: str, ckpt, *opts: str) -> str:
 @pytest.mark.parametrize("emulation", list(EMULATIONS))
 def test_emulated_cpu_classes_report_no_native_bf16(emulation):
     """The emulations the tests below rely on: torch and Pet see the class they stand for."""
-    code = "from pet.engine.precision import cpu_class, cpu_has_native; print(cpu_class(), cpu_has_native('bfloat16'))"
+    code = "from pet.utils.cpu import cpu_class, cpu_has_native; print(cpu_class(), cpu_has_native('bfloat16'))"
     out = subprocess.run([sys.executable, "-c", code], env=child_env(emulation), capture_output=True,
                          text=True, check=True, cwd=ROOT).stdout.strip()
     # An AVX2-only machine stays AVX2 under the AVX-512 cap (a cap removes instructions, never adds them).
@@ -118,7 +120,7 @@ def test_native_bf16_needs_the_instructions_and_no_cap_below_them(monkeypatch, f
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(precision_module, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(cpu_module, "_cpu_flags", lambda: flags)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     support = cpu_native_support("bfloat16")
     assert support.native is native, support.reason
@@ -137,7 +139,7 @@ def test_native_bf16_needs_the_instructions_and_no_cap_below_them(monkeypatch, f
 ])
 def test_int8_support_is_the_vnni_flags_whatever_the_isa_caps(monkeypatch, flags, vnni, named):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # onnxruntime ignores oneDNN's and torch's caps
-    monkeypatch.setattr(precision_module, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(cpu_module, "_cpu_flags", lambda: flags)
     support = cpu_int8_support()
     assert support.native is vnni and named in support.reason
 

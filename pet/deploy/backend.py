@@ -2,7 +2,7 @@
 
 On a GPU (``DEVICE``) the answer is PyTorch; the rest is about CPUs.
 
-:func:`choose_backend` picks from what the CPU is (native bfloat16, VNNI: :mod:`pet.engine.precision`) and which
+:func:`choose_backend` picks from what the CPU is (native bfloat16, VNNI: :mod:`pet.utils.cpu`) and which
 exports exist (:func:`exported_models`), never from a timing probe, so one class of machine always makes the same
 choice. The ranking is the one measured in docs/BENCHMARKS.md ("CPU inference: which backend"); on the
 AVX-512 BF16 + VNNI machine there, from fastest:
@@ -30,7 +30,8 @@ from fvcore.common.config import CfgNode
 
 from pet.config import load_cfg
 from pet.engine.models import resolve_device
-from pet.engine.precision import choose_precision, cpu_int8_support
+from pet.engine.precision import choose_precision
+from pet.utils.cpu import cpu_int8_support
 from pet.utils.errors import ConfigError
 
 __all__ = ["BackendChoice", "choose_backend", "exported_models", "int8_path", "resolve_backend"]

@@ -9,7 +9,7 @@ onnxruntime's quantization tools, in three steps on three disjoint sets of image
    quantized without running the model again. Format QDQ, weights int8 per output channel, activations
    uint8 (u8s8: the pair onnxruntime's x86 kernels fuse into ``QLinearConv``; s8s8 left most convolutions
    unfused there). ``reduce_range`` (7-bit weights) on a CPU without VNNI, where u8s8 products can
-   saturate (:func:`pet.engine.precision.cpu_int8_support`); the file records which.
+   saturate (:func:`pet.utils.cpu.cpu_int8_support`); the file records which.
 2. **What runs int8** (``selection``: other training images): the convolutions and matrix products of each
    quantizable part (:data:`FLOAT_PARTS` says which stay float and why), with the additions, ReLUs, max-pools
    and resizes between them so that activations stay int8 from one layer to the next. Post-processing (box
@@ -49,8 +49,8 @@ from pet.data import COCODataset, DatasetMapper, collate_batch, get_dataset, rea
 from pet.deploy.onnx import Batch
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel, session_inputs
 from pet.engine.inference import inference_on_dataset
-from pet.engine.precision import cpu_int8_support
 from pet.evaluation import COCOEvaluator
+from pet.utils.cpu import cpu_int8_support
 from pet.utils.errors import DataError, PetError
 
 __all__ = ["Int8AccuracyError", "Int8ImageSets", "Int8Report", "Quantizer", "FLOAT_PARTS", "QUANTIZED_OPS",

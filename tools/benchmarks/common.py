@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torchvision
 
-from pet.engine.precision import cpu_class, cpu_has_native, cpu_int8_support
+from pet.utils.cpu import cpu_class, cpu_has_native, cpu_int8_support
 
 __all__ = ["interleaved", "fingerprint", "format_fingerprint", "process_tree_rss"]
 
