@@ -10,12 +10,10 @@ import argparse
 import errno
 import logging
 import os
-import random
 import sys
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from fvcore.common.config import CfgNode
@@ -24,14 +22,15 @@ from pet.config import load_cfg
 from pet.data import register_custom_datasets
 from pet.data.workers import WORKER_DIED_EXIT_CODE, remedy, worker_death
 from pet.engine.build import prepare_model
-from pet.engine.checkpoint import write_failure_remedy
 from pet.engine.models import resolve_device, unwrap_model
 from pet.engine.trainer import Trainer
 from pet.modeling import build_model
 from pet.utils import comm
 from pet.utils.errors import PetError
+from pet.utils.files import write_failure_remedy
 from pet.utils.logger import setup_logger
 from pet.utils.model_summary import log_model_summary
+from pet.utils.rng import seed_everything
 from pet.utils.weights import load_weights
 
 __all__ = [
@@ -83,12 +82,6 @@ def init_distributed(local_rank: int | None = None, device: str = "auto") -> Non
     if run_device.type == "cuda":
         torch.cuda.set_device(run_device)
     dist.init_process_group(backend=distributed_backend(run_device))
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def default_setup(cfg_file: str, opts: list[str], local_rank: int | None = None) -> CfgNode:

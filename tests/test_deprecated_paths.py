@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # old module -> (new module, a name both offer)
 MOVED = {
     "pet.evaluation.files": ("pet.utils.files", "write_json_atomic"),
-    "pet.engine.resume": ("pet.engine.checkpointer", "training_label_space"),
+    "pet.engine.resume": ("pet.engine.checkpointer", "Checkpointer"),
     "pet.engine.common": ("pet.engine.models", "unwrap_model"),
     "pet.engine.timing": ("pet.engine.inference_timer", "InferenceTimer"),
     "pet.engine.defaults": ("pet.cli", "build_trainer"),

@@ -27,10 +27,11 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import toy_trainer
 from helpers import DEMO_CFG, ROOT, BlobDetector, custom_datasets
 
 from pet.config import load_cfg
-from pet.data.categories import LabelSpace
+from pet.data.categories import LabelSpace, dataset_label_space
 from pet.engine.inference import evaluate_on_datasets
 from pet.modeling import build_model
 from pet.predict import PredictionWriter, Predictor, Source
@@ -356,8 +357,6 @@ def test_torchvisions_coco_weights_predict_with_cocos_names_and_ids(caplog):
 
 
 def test_the_checkpoint_of_a_training_run_records_its_label_space(make_cfg):
-    from pet.engine.checkpointer import training_label_space
-
     class Dataset:
         class_names = ["cat", "dog"]
         label_to_category_id = {1: 17, 2: 18}
@@ -365,11 +364,9 @@ def test_the_checkpoint_of_a_training_run_records_its_label_space(make_cfg):
     class Loader(list):
         dataset = Dataset()
 
-    from conftest import toy_trainer
-
     trainer = toy_trainer(make_cfg())
     assert "label_space" not in trainer.checkpointer.state()  # a toy loader has no classes
     trainer.data_loader = Loader()
     assert trainer.checkpointer.state()["label_space"] == [{"label": 1, "id": 17, "name": "cat"},
                                                          {"label": 2, "id": 18, "name": "dog"}]
-    assert training_label_space(Dataset()) == LabelSpace((17, 18), ("cat", "dog"))
+    assert dataset_label_space(Dataset()) == LabelSpace((17, 18), ("cat", "dog"))

@@ -27,7 +27,7 @@ from torchvision.models.detection import FasterRCNN_ResNet50_FPN_Weights
 
 from pet.utils.errors import ConfigError
 
-__all__ = ["LabelSpace", "LabeledDataset", "LABEL_SPACES", "coco_names_by_id", "coco_categories"]
+__all__ = ["LabelSpace", "LabeledDataset", "LABEL_SPACES", "coco_names_by_id", "coco_categories", "dataset_label_space"]
 
 LABEL_SPACES = ("contiguous", "category_id")
 
@@ -160,3 +160,14 @@ class LabeledDataset:
     @property
     def category_id_to_label(self) -> dict[int, int]:
         return self.label_space.category_id_to_label
+
+
+def dataset_label_space(dataset: Any) -> LabelSpace | None:
+    """The label space of ``dataset`` (a loader's ``dataset``): its ``label_space``, or one made from its
+    ``label_to_category_id`` and ``class_names``; None for data without labels (a toy loader)."""
+    if getattr(dataset, "label_space", None) is not None:
+        return dataset.label_space
+    ids, names = getattr(dataset, "label_to_category_id", None), getattr(dataset, "class_names", None)
+    if ids is None or names is None:
+        return None
+    return LabelSpace(tuple(int(ids[label]) for label in range(1, len(names) + 1)), tuple(names))

@@ -1,4 +1,4 @@
-"""Atomic checkpoint files and the RNG state they carry.
+"""Atomic checkpoint files and the ``last_checkpoint`` pointer.
 
 A checkpoint is written to a temporary file in the same directory (:mod:`pet.utils.files`),
 flushed to disk and renamed over the target, so a crash or a full disk never leaves a half-written file
@@ -9,48 +9,30 @@ the caller explicitly asks otherwise.
 """
 from __future__ import annotations
 
-import errno
 import io
 import logging
 import os
-import random
 from typing import Any
 
-import numpy as np
 import torch
 
 from pet.utils import comm
 from pet.utils.errors import TrainingError
-from pet.utils.files import is_temporary_name, temporary_path, write_bytes_atomic
+from pet.utils.files import is_temporary_name, temporary_path, write_bytes_atomic, write_failure_remedy
 from pet.utils.weights import load_checkpoint
 
 __all__ = [
     "atomic_save",
     "atomic_write_bytes",
     "temporary_path",
-    "write_failure_remedy",
     "write_last_checkpoint",
     "read_last_checkpoint",
     "load_checkpoint",
-    "get_rng_state",
-    "set_rng_state",
 ]
 
 logger = logging.getLogger(__name__)
 
 LAST_CHECKPOINT = "last_checkpoint"
-
-
-def write_failure_remedy(exc: OSError, directory: str) -> str:
-    """What to do about the failed write ``exc`` into ``directory``, by cause (permissions, space, size limit)."""
-    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return (f"make {directory} writable for this user, or point CKPT (or HOOKS.CHECKPOINT.OUT_DIR) "
-                "at a writable directory")
-    if exc.errno == errno.EFBIG:
-        return "raise the file-size limit (ulimit -f), or point CKPT at a file system that allows larger files"
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"free space on the disk holding {directory}"
-    return f"check that {directory} is writable and has free space"
 
 
 def atomic_save(obj: Any, path: str) -> None:
@@ -115,39 +97,3 @@ def _remove_leftover_temporary_files(directory: str) -> None:
         if is_temporary_name(entry) and os.path.isfile(leftover):
             logger.warning(f"Removing {leftover}, left by an interrupted checkpoint write")
             os.remove(leftover)
-
-
-def get_rng_state() -> dict[str, Any]:
-    """Python, numpy and torch RNG states in a form ``weights_only`` loading accepts."""
-    np_state = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": {
-            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-            "pos": int(np_state[2]),
-            "has_gauss": int(np_state[3]),
-            "cached_gaussian": float(np_state[4]),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(_as_python_state(state["python"]))
-    np_state = state["numpy"]
-    np.random.set_state(
-        ("MT19937", np_state["keys"].numpy().astype(np.uint32), np_state["pos"], np_state["has_gauss"],
-         np_state["cached_gaussian"])
-    )
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _as_python_state(state: Any) -> tuple:
-    # Saved tuples may come back as lists; random.setstate needs tuples.
-    version, internal, gauss = state
-    return (version, tuple(internal), gauss)

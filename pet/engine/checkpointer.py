@@ -28,14 +28,12 @@ from typing import Any, Protocol
 
 import torch
 
-from pet.data.categories import LabelSpace
+from pet.data.categories import dataset_label_space
 from pet.engine.checkpoint import (
     atomic_save,
     atomic_write_bytes,
-    get_rng_state,
     load_checkpoint,
     read_last_checkpoint,
-    set_rng_state,
     write_last_checkpoint,
 )
 from pet.engine.hooks.base import TrainerLike
@@ -45,9 +43,10 @@ from pet.engine.step import TrainStep
 from pet.utils import comm
 from pet.utils.errors import ConfigError, TrainingError
 from pet.utils.files import atomic_path
+from pet.utils.rng import get_rng_state, set_rng_state
 from pet.utils.weights import load_weights
 
-__all__ = ["Checkpointer", "training_label_space"]
+__all__ = ["Checkpointer"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +97,7 @@ class Checkpointer:
             state.pop("grad_scaler", None)
         if not scheduler:
             state.pop("scheduler")
-        label_space = training_label_space(getattr(trainer.data_loader, "dataset", None))
+        label_space = dataset_label_space(getattr(trainer.data_loader, "dataset", None))
         if label_space is not None:  # what the model's labels mean, so it can predict without its dataset
             state["label_space"] = label_space.to_list()
         return state
@@ -233,16 +232,6 @@ class Checkpointer:
         """What shapes the learning rate of each iteration: ``MAX_ITER`` and the ``SOLVER`` schedule keys."""
         solver = self.trainer.cfg.SOLVER
         return {"MAX_ITER": self.trainer.max_iter, **{key: _plain(solver[key]) for key in SCHEDULE_KEYS}}
-
-
-def training_label_space(dataset: Any) -> LabelSpace | None:
-    """The label space of the training set ``dataset`` (a loader's ``dataset``); None for data without one."""
-    if getattr(dataset, "label_space", None) is not None:
-        return dataset.label_space
-    ids, names = getattr(dataset, "label_to_category_id", None), getattr(dataset, "class_names", None)
-    if ids is None or names is None:
-        return None
-    return LabelSpace(tuple(int(ids[label]) for label in range(1, len(names) + 1)), tuple(names))
 
 
 def _load_optimizer_state(optimizer: Any, saved: dict[str, Any]) -> None:

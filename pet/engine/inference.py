@@ -17,12 +17,12 @@ from fvcore.common.config import CfgNode
 
 from pet.data import DatasetMapper, build_test_loader
 from pet.data.workers import watched
-from pet.engine.checkpoint import get_rng_state, set_rng_state
 from pet.engine.inference_timer import InferenceTimer
 from pet.engine.metrics import flatten_metrics
 from pet.engine.models import build_evaluator, call_model, model_device
 from pet.engine.precision import Precision, choose_precision
 from pet.utils import comm
+from pet.utils.rng import get_rng_state, set_rng_state
 from pet.utils.tensor import move_to_device
 from pet.utils.timers import activate
 

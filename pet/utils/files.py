@@ -15,6 +15,7 @@ in the checkpoint folder) without touching a user's ``notes.tmp``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -29,6 +30,7 @@ __all__ = [
     "atomic_open",
     "write_bytes_atomic",
     "write_json_atomic",
+    "write_failure_remedy",
 ]
 
 # Exactly the names temporary_path() makes without keep_extension; "notes.tmp" or "x.tmp.json" never match.
@@ -95,6 +97,18 @@ def write_json_atomic(path: str, obj: Any) -> None:
     """``json.dump(obj)`` to ``path`` through the staged file and a rename."""
     with atomic_open(path, "w") as f:
         json.dump(obj, f)
+
+
+def write_failure_remedy(exc: OSError, directory: str) -> str:
+    """What to do about the failed write ``exc`` into ``directory``, by cause (permissions, space, size limit)."""
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return (f"make {directory} writable for this user, or point CKPT (or HOOKS.CHECKPOINT.OUT_DIR) "
+                "at a writable directory")
+    if exc.errno == errno.EFBIG:
+        return "raise the file-size limit (ulimit -f), or point CKPT at a file system that allows larger files"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"free space on the disk holding {directory}"
+    return f"check that {directory} is writable and has free space"
 
 
 def _remove(path: str) -> None:
