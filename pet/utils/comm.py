@@ -93,3 +93,22 @@ def reduce_scalars_with_flag(
         if name in maximum:
             result[name] = value
     return result, int(largest[-1])
+
+
+def all_reduce_buffers(module: torch.nn.Module) -> None:
+    """Average every floating-point buffer of ``module`` over processes (one all-reduce per dtype/device)."""
+    world = get_world_size()
+    if world == 1:
+        return
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for buffer in module.buffers():
+        if buffer.dtype.is_floating_point:
+            groups.setdefault((buffer.device, buffer.dtype), []).append(buffer)
+    for buffers in groups.values():
+        flat = torch.cat([b.reshape(-1) for b in buffers])
+        dist.all_reduce(flat)
+        flat /= world
+        offset = 0
+        for buffer in buffers:
+            buffer.copy_(flat[offset:offset + buffer.numel()].view_as(buffer))
+            offset += buffer.numel()

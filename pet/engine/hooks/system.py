@@ -7,7 +7,6 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from fvcore.common.config import CfgNode
 
 from pet.engine.hooks.base import HOOKS, Priority, TrainerLike, TrainHook
@@ -15,7 +14,7 @@ from pet.engine.models import unwrap_model
 from pet.utils import comm
 from pet.utils.errors import ConfigError
 
-__all__ = ["EmptyCacheHook", "SyncBuffersHook", "ProfilerHook", "all_reduce_buffers"]
+__all__ = ["EmptyCacheHook", "SyncBuffersHook", "ProfilerHook"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,25 +57,6 @@ def _empty_cuda_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def all_reduce_buffers(module: torch.nn.Module) -> None:
-    """Average every floating-point buffer of ``module`` over processes (one all-reduce per dtype/device)."""
-    world = comm.get_world_size()
-    if world == 1:
-        return
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for buffer in module.buffers():
-        if buffer.dtype.is_floating_point:
-            groups.setdefault((buffer.device, buffer.dtype), []).append(buffer)
-    for buffers in groups.values():
-        flat = torch.cat([b.reshape(-1) for b in buffers])
-        dist.all_reduce(flat)
-        flat /= world
-        offset = 0
-        for buffer in buffers:
-            buffer.copy_(flat[offset:offset + buffer.numel()].view_as(buffer))
-            offset += buffer.numel()
-
-
 @HOOKS.register()
 class SyncBuffersHook(TrainHook):
     """Averages buffers (BatchNorm running statistics) across processes before validation and at epoch end.
@@ -92,11 +72,11 @@ class SyncBuffersHook(TrainHook):
 
     @torch.no_grad()
     def before_val(self, trainer: TrainerLike, **kwargs: Any) -> None:
-        all_reduce_buffers(unwrap_model(trainer.model))
+        comm.all_reduce_buffers(unwrap_model(trainer.model))
 
     @torch.no_grad()
     def after_epoch(self, trainer: TrainerLike, **kwargs: Any) -> None:
-        all_reduce_buffers(unwrap_model(trainer.model))
+        comm.all_reduce_buffers(unwrap_model(trainer.model))
 
 
 @HOOKS.register()
