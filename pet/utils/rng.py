@@ -1,8 +1,8 @@
 """The process's random-number generators (Python, numpy, torch, CUDA): seed them, save and restore them.
 
 A checkpoint carries :func:`get_rng_state` so a resumed run draws what the uninterrupted one would
-have drawn; validation inside training restores it afterwards, so validating never changes what
-training draws next.
+have drawn; the validation loss during training restores it afterwards, so validating never changes
+what training draws next.
 """
 from __future__ import annotations
 

@@ -12,23 +12,21 @@ points), so a hook declares just what it needs and swallows the rest with ``**kw
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from fvcore.common.config import CfgNode
 
 from pet.engine.events import EventStorage
+from pet.engine.loops import TrainLoop
 from pet.utils.errors import ConfigError
 from pet.utils.registry import Registry
 from pet.utils.table import format_table
 
-if TYPE_CHECKING:  # the checkpointer's module builds on this one
-    from pet.engine.checkpointer import Checkpointer
-    from pet.engine.loops import TrainLoop
-
-__all__ = ["Priority", "get_priority", "TrainHook", "TrainerLike", "HOOKS", "HookList", "MOUNT_POINTS"]
+__all__ = ["Priority", "get_priority", "TrainHook", "TrainerLike", "CheckpointerLike", "HOOKS", "HookList",
+           "MOUNT_POINTS"]
 
 HOOKS = Registry("hook")
 HOOKS.__doc__ = "Hook classes by name, for HOOKS.CUSTOM / TEST.HOOKS entries in YAML."
@@ -77,6 +75,22 @@ MOUNT_POINTS = (
 )
 
 
+class CheckpointerLike(Protocol):
+    """What hooks call on ``trainer.checkpointer``: :class:`pet.engine.checkpointer.Checkpointer`, which builds
+    on this module (it saves the hooks' state), so hooks see it through this interface."""
+
+    stop_saver: Callable[[], str] | None
+
+    def save(self, filename: str, *, save_dir: str = "", update_last: bool = True, optimizer: bool = True,
+             scheduler: bool = True, extra: dict[str, Any] | None = None) -> str: ...
+
+    def remove(self, filename: str, save_dir: str = "", reason: str = "") -> None: ...
+
+    def link_final(self, filename: str, save_dir: str = "") -> str: ...
+
+    def publish(self, keys: Sequence[str], save_dir: str = "") -> str | None: ...
+
+
 class TrainerLike(Protocol):
     """What a hook may rely on in ``trainer`` (:class:`pet.engine.trainer.Trainer` has all of it).
 
@@ -85,7 +99,7 @@ class TrainerLike(Protocol):
     ``start_iter`` in ``before_train``, and after a failure the last completed one).
     ``epoch`` is the 0-based index of the current epoch. ``stop_training``: set it to end
     the run cleanly after this step (validation and the final checkpoint still happen).
-    ``checkpointer`` (:class:`pet.engine.checkpointer.Checkpointer`) writes and reads every checkpoint;
+    ``checkpointer`` (:class:`CheckpointerLike`) writes and reads every checkpoint;
     ``loop`` (:mod:`pet.engine.loops`) is the mode: ``loop.ends_period(iteration, n)`` counts in its unit.
     """
 
@@ -108,7 +122,7 @@ class TrainerLike(Protocol):
     last_step_seconds: float
     last_data_seconds: float
 
-    checkpointer: Checkpointer
+    checkpointer: CheckpointerLike
     loop: TrainLoop
 
     def call_hooks(self, point: str, **kwargs: Any) -> None: ...
