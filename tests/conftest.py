@@ -4,6 +4,7 @@ Plain helpers (running tools, opts, small COCO files, detector batches) are in `
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import re
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from pet.config import load_cfg
 from pet.data import generate_shapes
@@ -206,6 +208,24 @@ def record_saves(trainer: Trainer) -> list[tuple[str, int]]:
 def cfg_for(make_cfg):
     """``make_cfg`` with metrics.json and curves off (fast) and a rare display: ``cfg_for(KEY, VALUE, ...)``."""
     return lambda *opts: make_cfg("TRAIN.SAVE_AS_JSON", False, "DISPLAY_ITER", 100, *opts)
+
+
+@contextlib.contextmanager
+def two_rank_group(rank: int, init_file: Any) -> Iterator[None]:
+    """This process in a two-process gloo group for the block (``run_two_ranks`` workers).
+
+    A block that ends normally ends in a barrier before the group is destroyed, so neither process
+    tears its connections down while the other's last collective (a DDP all-reduce) is still in
+    flight (a suite run once saw a worker abort at exit, SIGABRT, "terminate called without an
+    active exception"). A block that raises skips the barrier, which would wait for a peer that
+    may never come.
+    """
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def run_two_ranks(worker: Any, init_file: Any, *args: Any, timeout: float = 120) -> list[Any]:

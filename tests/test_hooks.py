@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import (
     CrashAt,
     IndexedToyLoader,
@@ -20,6 +19,7 @@ from conftest import (
     run_two_ranks,
     scripted_eval,
     toy_trainer,
+    two_rank_group,
 )
 
 from pet.config import load_cfg
@@ -283,14 +283,13 @@ def test_profiler_writes_a_table_and_empty_cache_is_harmless_on_cpu(cfg_for, cap
 
 
 def _sync_worker(rank, init_file, queue):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    model = torch.nn.BatchNorm1d(3)
-    model.running_mean.fill_(float(rank))
-    model.running_var.fill_(1.0 + 2 * rank)
-    model.num_batches_tracked.fill_(rank)
-    SyncBuffersHook().before_val(trainer=SimpleNamespace(model=model))
-    queue.put((rank, model.running_mean.tolist(), model.running_var.tolist(), int(model.num_batches_tracked)))
-    dist.destroy_process_group()
+    with two_rank_group(rank, init_file):
+        model = torch.nn.BatchNorm1d(3)
+        model.running_mean.fill_(float(rank))
+        model.running_var.fill_(1.0 + 2 * rank)
+        model.num_batches_tracked.fill_(rank)
+        SyncBuffersHook().before_val(trainer=SimpleNamespace(model=model))
+        queue.put((rank, model.running_mean.tolist(), model.running_var.tolist(), int(model.num_batches_tracked)))
 
 
 def test_sync_buffers_averages_float_buffers_across_processes(tmp_path):

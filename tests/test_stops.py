@@ -9,7 +9,7 @@ import signal
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import IndexedToyLoader, NanLossModel, ToyModel, regular_iters, run_two_ranks, toy_trainer
+from conftest import IndexedToyLoader, NanLossModel, ToyModel, regular_iters, run_two_ranks, toy_trainer, two_rank_group
 from helpers import final_weights, run_toy_train, start_and_wait_for_report
 
 from pet.config import load_cfg
@@ -132,8 +132,7 @@ def test_the_finite_check_uses_the_loss_reduced_over_processes(make_cfg, monkeyp
 
 
 def _nonfinite_worker(rank, init_file, opts, queue):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
+    with two_rank_group(rank, init_file):
         torch.manual_seed(0)
         cfg = load_cfg(None, opts)
         trainer = Trainer(cfg, model=NanLossModel(nan_at=3, rank=1), data_loader=IndexedToyLoader(seed=rank))
@@ -143,8 +142,6 @@ def _nonfinite_worker(rank, init_file, opts, queue):
         except Exception as exc:  # reported, not raised: the parent compares what every rank saw
             message = f"{type(exc).__name__}: {exc}".split(". ")[0]
             queue.put((rank, message, trainer.iter, trainer.train_step.nonfinite_skipped))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("skip, expected", [
@@ -168,8 +165,7 @@ class SignalRankOne(TrainHook):
 
 
 def _signal_worker(rank, init_file, opts, queue):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
+    with two_rank_group(rank, init_file):
         torch.manual_seed(0)
         trainer = Trainer(load_cfg(None, opts), model=ToyModel(), data_loader=IndexedToyLoader(seed=rank))
         trainer.register_hook(SignalRankOne())
@@ -178,8 +174,6 @@ def _signal_worker(rank, init_file, opts, queue):
             queue.put((rank, "finished", trainer.iter))
         except TrainingInterrupted as exc:
             queue.put((rank, str(exc).split(";")[0], trainer.iter))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
