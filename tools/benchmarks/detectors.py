@@ -85,12 +85,14 @@ def _demo_reference(cfg, size: tuple[int, int]) -> torch.nn.Module:
     )
 
 
-def _r50_reference(arch: str, size: tuple[int, int]) -> torch.nn.Module:
-    """torchvision's ``*_resnet50_fpn`` as its builders assemble it when given weights; 80 classes + 1."""
+def _r50_reference(arch: str, size: tuple[int, int], num_classes: int) -> torch.nn.Module:
+    """torchvision's ``*_resnet50_fpn`` as its builders assemble it, with ``num_classes`` + 1 outputs (Pet's COCO
+    configs: 90 + 1, torchvision's COCO layout)."""
     _, model_class, returned_layers, top_block = ARCHS[arch]
     extra_blocks = LastLevelMaxPool() if top_block == "maxpool" else LastLevelP6P7(256, 256)
     backbone = _resnet_fpn_extractor(resnet50(norm_layer=FrozenBatchNorm2d), 3, returned_layers, extra_blocks)
-    return getattr(detection, model_class)(backbone, num_classes=81, min_size=min(size), max_size=max(size))
+    return getattr(detection, model_class)(backbone, num_classes=num_classes + 1, min_size=min(size),
+                                           max_size=max(size))
 
 
 @torch.no_grad()
@@ -111,7 +113,7 @@ def _model_pair(arch: str, size: tuple[int, int], memory_format: str) -> tuple[t
     """Pet's model and torchvision's, holding the same random weights, in ``memory_format``."""
     cfg = _pet_cfg(arch, memory_format)
     torch.manual_seed(0)
-    reference = _demo_reference(cfg, size) if arch == "demo" else _r50_reference(arch, size)
+    reference = _demo_reference(cfg, size) if arch == "demo" else _r50_reference(arch, size, cfg.MODEL.NUM_CLASSES)
     _make_confident(reference)
     pet_model = build_model(cfg)
     pet_model.load_state_dict(reference.state_dict(), strict=True)

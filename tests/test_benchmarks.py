@@ -1,0 +1,23 @@
+"""tools/benchmark.py times Pet's detectors against torchvision's holding the same weights: every pair it
+compares must be built, with Pet's shipped configs, so that both sides hold exactly those weights."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from helpers import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+from benchmarks.detectors import ARCHS, _model_pair  # noqa: E402
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_each_benchmark_pair_holds_the_same_weights(arch, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the benchmark reads cfgs/ from the repository root, as it is run
+    pet_model, reference = _model_pair(arch, (256, 256), "channels_last")
+    theirs = reference.state_dict()
+    ours = pet_model.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
