@@ -37,6 +37,7 @@ from pet.modeling import build_model
 from pet.predict import PredictionWriter, Predictor, Source
 from pet.predict.labels import model_label_space
 from pet.predict.tiling import TileSpec, greedy_nmm, merge_seams, tile_grid
+from pet.utils.errors import ConfigError
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 from benchmarks.common import process_tree_rss  # noqa: E402
@@ -250,6 +251,24 @@ def test_pieces_of_an_object_no_tile_saw_whole_are_joined_whatever_class_each_wa
                                                        (256, 448))
     assert merged.tolist() == [[150, 50, 300, 150], [200, 10, 440, 250]]
     assert merged_labels.tolist() == [1, 3] and merged_scores.tolist() == pytest.approx([0.9, 0.05])
+
+
+def test_predict_many_gives_each_pictures_own_detections_in_batches(tmp_path):
+    """Arrays and files mixed, three pictures at a time: as many results as pictures, in order, each what the
+    picture alone gives; and only positive batch sizes."""
+    boxes = [(10 + 20 * i, 30, 60 + 20 * i, 90) for i in range(5)]
+    for i, box in enumerate(boxes):
+        write_scene(str(tmp_path / f"{i}.png"), (128, 192), [box])
+    pictures = [str(tmp_path / f"{i}.png") if i % 2 else cv2.imread(str(tmp_path / f"{i}.png")) for i in range(5)]
+    predictor = blob_predictor()
+    together = predictor.predict_many(pictures, batch_size=3)
+    alone = [predictor(picture) for picture in pictures]
+    assert [d.path for d in together] == ["", str(tmp_path / "1.png"), "", str(tmp_path / "3.png"), ""]
+    for many, one, box in zip(together, alone, boxes):
+        assert len(many) == 1 and many.boxes.tolist() == one.boxes.tolist()
+        assert many.boxes[0].tolist() == pytest.approx(list(box), abs=2)
+    with pytest.raises(ConfigError, match="batch size must be positive"):
+        predictor.predict_many(pictures, batch_size=-1)
 
 
 # ------------------------------------------------------------------------------------------ streams

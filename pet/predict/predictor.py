@@ -6,7 +6,8 @@ the same test transform, the same padded batches in the same order, the same pre
 so a folder of the test images gives exactly test_net's detections. Then it maps labels to the
 training set's category ids and names, which the model carries (:mod:`pet.predict.labels`).
 
-``predictor(image)`` predicts one picture; ``predictor.stream(source)`` any number, as a generator
+``predictor(image)`` predicts one picture, ``predictor.predict_many(images)`` a list of pictures in memory, in
+batches; ``predictor.stream(source)`` any number, as a generator
 that holds one batch at a time: pictures are decoded and transformed in worker processes while the
 model runs, results are handed out as they come and nothing accumulates. With ``tile`` each picture is
 cut into tiles at its own pixel scale (:mod:`pet.predict.tiling`).
@@ -160,17 +161,30 @@ class Predictor:
                     f"{', '.join(self.label_space.names[:10])}{' ...' if self.label_space.num_classes > 10 else ''}); "
                     f"precision {self.precision}" + (f"; {self.tiles}" if self.tiles else ""))
 
-    # ----------------------------------------------------------------- one picture
+    # ----------------------------------------------------------------- pictures in memory
     def __call__(self, image: np.ndarray | str | os.PathLike) -> Detections:
         """The detections in one picture: an array (BGR or gray, as opencv reads) or an image file."""
-        if isinstance(image, (str, os.PathLike)):
-            path, rgb = str(image), read_image(str(image))
-        else:
-            path, rgb = "", _to_rgb(np.asarray(image))
+        return self.predict_many([image])[0]
+
+    def predict_many(self, images: Sequence[np.ndarray | str | os.PathLike],
+                     batch_size: int | None = None) -> list[Detections]:
+        """The detections in each of ``images`` (arrays, BGR or gray as opencv reads, or image files), in order.
+
+        ``batch_size`` pictures (default ``TEST.IMS_PER_BATCH``) go through the model at a time, padded into
+        one batch as the test loader pads them; with tiles, one picture at a time in batches of its tiles.
+        For a folder, a video or more pictures than memory holds, :meth:`stream` decodes as it goes.
+        """
+        batch_size = batch_size or self.cfg.TEST.IMS_PER_BATCH
+        if batch_size <= 0:
+            raise ConfigError(f"The batch size must be positive, got {batch_size}.")
         prepare = Preparer(self.augmentations, self.tiles)
-        work = Collate(self.cfg.INPUT.SIZE_DIVISIBILITY, self.cfg.TEST.IMS_PER_BATCH, self.tiles is not None)(
-            [prepare(rgb, path)])
-        return self._post(work, self._infer(work))[0]
+        collate = Collate(self.cfg.INPUT.SIZE_DIVISIBILITY, batch_size, self.tiles is not None)
+        per_pass = 1 if self.tiles else batch_size
+        results: list[Detections] = []
+        for first in range(0, len(images), per_pass):
+            work = collate([prepare(*_rgb_and_path(image)) for image in images[first:first + per_pass]])
+            results += self._post(work, self._infer(work))
+        return results
 
     # ----------------------------------------------------------------- many pictures
     def stream(self, source: str | Source, batch_size: int | None = None, *, vid_stride: int = 1,
@@ -309,6 +323,13 @@ def _onnx_model(path: str) -> tuple[torch.nn.Module, list[dict[str, Any]] | None
     model = OnnxRuntimeModel(path, threads=torch.get_num_threads())
     recorded = model.session.get_modelmeta().custom_metadata_map.get(ONNX_METADATA_KEY)
     return model, json.loads(recorded) if recorded else None
+
+
+def _rgb_and_path(image: np.ndarray | str | os.PathLike) -> tuple[np.ndarray, str]:
+    """A picture given to :meth:`Predictor.predict_many` as the RGB array the transforms take, and its path."""
+    if isinstance(image, (str, os.PathLike)):
+        return read_image(str(image)), str(image)
+    return _to_rgb(np.asarray(image)), ""
 
 
 def _to_rgb(image: np.ndarray) -> np.ndarray:

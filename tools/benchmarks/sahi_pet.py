@@ -17,7 +17,6 @@ from sahi.utils.compatibility import fix_full_shape_list, fix_shift_amount_list
 
 from pet.engine.models import model_device
 from pet.predict import Detections, Predictor
-from pet.predict.sources import Collate, Preparer
 
 __all__ = ["PetDetectionModel", "sahi_grid", "sahi_predict"]
 
@@ -49,13 +48,10 @@ class PetDetectionModel(DetectionModel):
         self._original_predictions = self._predict(images)
 
     def _predict(self, images: list[np.ndarray]) -> list[Detections]:
-        """RGB arrays (SAHI's convention) -> their detections in one forward pass: the stages Predictor.__call__
-        runs for one picture (it has no public call for a batch of arrays)."""
+        """RGB arrays (SAHI's convention) -> their detections, in one forward pass."""
         predictor: Predictor = self.model
-        prepare = Preparer(predictor.augmentations)
-        work = Collate(predictor.cfg.INPUT.SIZE_DIVISIBILITY, len(images), tiled=False)(
-            [prepare(image, "") for image in images])
-        return predictor._post(work, predictor._infer(work))
+        bgr = [np.ascontiguousarray(image[..., ::-1]) for image in images]
+        return predictor.predict_many(bgr, batch_size=len(images))
 
     def _create_object_prediction_list_from_original_predictions(
             self, shift_amount_list: list[list[int | float]] | None = None,
