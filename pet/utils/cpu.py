@@ -61,8 +61,7 @@ def cpu_native_support(dtype: str) -> NativeSupport:
         return NativeSupport(dtype, False, f"this CPU has no {' or '.join(_FLAG_NAMES[f] for f in wanted)} "
                                            f"(torch CPU capability {capability})")
     found = " and ".join(present)
-    cap_var = next((v for v in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA") if os.environ.get(v)), None)
-    cap = os.environ[cap_var].strip().upper() if cap_var else ""
+    cap_var, cap = _onednn_cap()
     if cap in _ONEDNN_ISA_RANK and _ONEDNN_ISA_RANK[cap] < _ONEDNN_ISA_RANK[lowest_cap]:
         return NativeSupport(dtype, False, f"this CPU has {found}, but {cap_var}={cap} holds oneDNN below "
                                            f"{lowest_cap}")
@@ -102,10 +101,17 @@ def cpu_class() -> str:
     capability = torch.backends.cpu.get_cpu_capability()
     if cpu_has_native("bfloat16"):
         return "AVX-512 BF16"
-    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    _, cap = _onednn_cap()
     if capability.startswith("AVX512") and _ONEDNN_ISA_RANK.get(cap, 99) >= _ONEDNN_ISA_RANK["AVX512_CORE"]:
         return "AVX-512"
     return "AVX2" if capability.startswith("AVX") else capability
+
+
+def _onednn_cap() -> tuple[str | None, str]:
+    """The variable capping oneDNN's instruction set (``ONEDNN_MAX_CPU_ISA``, or the older ``DNNL_MAX_CPU_ISA``)
+    and its value in upper case; ``(None, "")`` when neither is set."""
+    var = next((v for v in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA") if os.environ.get(v)), None)
+    return var, os.environ[var].strip().upper() if var else ""
 
 
 def _cpu_flags() -> dict[str, bool] | None:
