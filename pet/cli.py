@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import gc
 import logging
 import os
 import sys
@@ -160,6 +161,9 @@ def launch_cli(main: Callable[[], None]) -> None:
                             f"checkpoint); if it happens again, {remedy(None)}.", WORKER_DIED_EXIT_CODE)
     finally:
         if dist.is_initialized():
+            # The trainer outlives main() in reference cycles: collected now, its DDP reducer releases the
+            # group while the interpreter is whole rather than during interpreter exit.
+            gc.collect()
             dist.destroy_process_group()
 
 

@@ -4,7 +4,8 @@ Plain helpers (running tools, opts, small COCO files, detector batches) are in `
 """
 from __future__ import annotations
 
-import contextlib
+import faulthandler
+import gc
 import multiprocessing
 import os
 import re
@@ -210,34 +211,38 @@ def cfg_for(make_cfg):
     return lambda *opts: make_cfg("TRAIN.SAVE_AS_JSON", False, "DISPLAY_ITER", 100, *opts)
 
 
-@contextlib.contextmanager
-def two_rank_group(rank: int, init_file: Any) -> Iterator[None]:
-    """This process in a two-process gloo group for the block (``run_two_ranks`` workers).
+def _rank_main(worker: Any, rank: int, init_file: Any, args: tuple, queue: Any) -> None:
+    """One process of ``run_two_ranks``: join the gloo group, run ``worker``, tear down, report.
 
-    A block that ends normally ends in a barrier before the group is destroyed, so neither process
-    tears its connections down while the other's last collective (a DDP all-reduce) is still in
-    flight (a suite run once saw a worker abort at exit, SIGABRT, "terminate called without an
-    active exception"). A block that raises skips the barrier, which would wait for a peer that
-    may never come.
+    The worker returns before the group goes, and a garbage collection frees what it built (a
+    Trainer, its DistributedDataParallel reducer and any Python comm hook) while the interpreter
+    and the group are alive. Left to interpreter exit, gloo's C++ threads can drop the last
+    reference to a Python object after finalization began, and the process aborts ("terminate
+    called without an active exception", SIGABRT; seen twice in full suite runs, never alone).
+    The barrier keeps either process from tearing its connections down while the other's last
+    collective is in flight. faulthandler prints every thread's stack if a process dies anyway.
     """
+    faulthandler.enable(all_threads=True)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
-        yield
+        result = worker(rank, init_file, *args)
+        gc.collect()
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    queue.put(result)
 
 
 def run_two_ranks(worker: Any, init_file: Any, *args: Any, timeout: float = 120) -> list[Any]:
-    """Run ``worker(rank, init_file, *args, queue)`` in two processes; what they put on the queue, sorted.
+    """``worker(rank, init_file, *args)`` in each process of a two-process gloo group; what they return, sorted.
 
     Spawned, not forked: a fork copies torch's OpenMP thread pool, which hangs the child once an
-    earlier test has used it. A hang shows up as ``queue.Empty`` after ``timeout``; both
-    processes must exit cleanly.
+    earlier test has used it. A hang, or a worker that raises, shows up as ``queue.Empty`` after
+    ``timeout``; both processes must exit cleanly.
     """
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    workers = [context.Process(target=worker, args=(rank, init_file, *args, queue)) for rank in range(2)]
+    workers = [context.Process(target=_rank_main, args=(worker, rank, init_file, args, queue)) for rank in range(2)]
     for process in workers:
         process.start()
     try:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ToyModel, run_two_ranks, two_rank_group
+from conftest import ToyModel, run_two_ranks
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from pet.config import load_cfg
@@ -67,25 +67,24 @@ def _one_iteration_cfg(ckpt: str, accum_steps: int):
                            "TRAIN.AUTO_RESUME", "False", "TRAIN.SAVE_AS_JSON", "False"])
 
 
-def _ddp_accumulation_worker(rank, init_file, queue):
+def _ddp_accumulation_worker(rank, init_file):
     """Rank r trains one iteration on images 2r and 2r+1, one per batch, ACCUM_STEPS 2, counting all-reduces."""
-    with two_rank_group(rank, init_file):
-        torch.set_num_threads(1)
-        x, y = _images(4)
-        torch.manual_seed(0)
-        model = ToyModel()
-        trainer = Trainer(_one_iteration_cfg(f"{init_file}.run", 2), model=model,
-                          optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
-                          data_loader=[(x[i:i + 1], y[i:i + 1]) for i in (2 * rank, 2 * rank + 1)])
-        all_reduces = []
+    torch.set_num_threads(1)
+    x, y = _images(4)
+    torch.manual_seed(0)
+    model = ToyModel()
+    trainer = Trainer(_one_iteration_cfg(f"{init_file}.run", 2), model=model,
+                      optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                      data_loader=[(x[i:i + 1], y[i:i + 1]) for i in (2 * rank, 2 * rank + 1)])
+    all_reduces = []
 
-        def counting_allreduce(state, bucket):
-            all_reduces.append(1)
-            return default_hooks.allreduce_hook(state, bucket)
+    def counting_allreduce(state, bucket):
+        all_reduces.append(1)
+        return default_hooks.allreduce_hook(state, bucket)
 
-        trainer.model.register_comm_hook(None, counting_allreduce)
-        trainer.train()
-        queue.put((rank, len(all_reduces), {name: value.tolist() for name, value in model.state_dict().items()}))
+    trainer.model.register_comm_hook(None, counting_allreduce)
+    trainer.train()
+    return rank, len(all_reduces), {name: value.tolist() for name, value in model.state_dict().items()}
 
 
 def test_two_processes_accumulating_give_one_large_batch_with_one_all_reduce_per_iteration(tmp_path):

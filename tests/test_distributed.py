@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import run_two_ranks, two_rank_group
+from conftest import run_two_ranks
 from helpers import DEMO_CFG, run_tool, tiny_set_opts
 
 from pet import cli
@@ -191,10 +191,9 @@ def test_reduce_scalars_builds_its_tensor_on_the_collective_device(monkeypatch):
     assert asked == [True] and reduced_on == [torch.device("cpu")] * 2
 
 
-def _reduce_worker(rank, init_file, queue):
-    with two_rank_group(rank, init_file):
-        values = {"loss": float(rank + 1), "data_time": 0.1 * (rank + 1)}
-        queue.put((rank, str(comm.collective_device()), comm.reduce_scalars(values, maximum=("data_time",))))
+def _reduce_worker(rank, init_file):
+    values = {"loss": float(rank + 1), "data_time": 0.1 * (rank + 1)}
+    return rank, str(comm.collective_device()), comm.reduce_scalars(values, maximum=("data_time",))
 
 
 def test_reduce_scalars_under_gloo_averages_and_takes_the_max(tmp_path):

@@ -19,7 +19,6 @@ from conftest import (
     run_two_ranks,
     scripted_eval,
     toy_trainer,
-    two_rank_group,
 )
 
 from pet.config import load_cfg
@@ -282,14 +281,13 @@ def test_profiler_writes_a_table_and_empty_cache_is_harmless_on_cpu(cfg_for, cap
         ProfilerHook(5, 5)
 
 
-def _sync_worker(rank, init_file, queue):
-    with two_rank_group(rank, init_file):
-        model = torch.nn.BatchNorm1d(3)
-        model.running_mean.fill_(float(rank))
-        model.running_var.fill_(1.0 + 2 * rank)
-        model.num_batches_tracked.fill_(rank)
-        SyncBuffersHook().before_val(trainer=SimpleNamespace(model=model))
-        queue.put((rank, model.running_mean.tolist(), model.running_var.tolist(), int(model.num_batches_tracked)))
+def _sync_worker(rank, init_file):
+    model = torch.nn.BatchNorm1d(3)
+    model.running_mean.fill_(float(rank))
+    model.running_var.fill_(1.0 + 2 * rank)
+    model.num_batches_tracked.fill_(rank)
+    SyncBuffersHook().before_val(trainer=SimpleNamespace(model=model))
+    return rank, model.running_mean.tolist(), model.running_var.tolist(), int(model.num_batches_tracked)
 
 
 def test_sync_buffers_averages_float_buffers_across_processes(tmp_path):

@@ -9,7 +9,7 @@ import signal
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import IndexedToyLoader, NanLossModel, ToyModel, regular_iters, run_two_ranks, toy_trainer, two_rank_group
+from conftest import IndexedToyLoader, NanLossModel, ToyModel, regular_iters, run_two_ranks, toy_trainer
 from helpers import final_weights, run_toy_train, start_and_wait_for_report
 
 from pet.config import load_cfg
@@ -131,17 +131,16 @@ def test_the_finite_check_uses_the_loss_reduced_over_processes(make_cfg, monkeyp
     assert math.isnan(trainer.storage.history("total_loss").values()[2][0])
 
 
-def _nonfinite_worker(rank, init_file, opts, queue):
-    with two_rank_group(rank, init_file):
-        torch.manual_seed(0)
-        cfg = load_cfg(None, opts)
-        trainer = Trainer(cfg, model=NanLossModel(nan_at=3, rank=1), data_loader=IndexedToyLoader(seed=rank))
-        try:
-            trainer.train()
-            queue.put((rank, "finished", trainer.iter, trainer.train_step.nonfinite_skipped))
-        except Exception as exc:  # reported, not raised: the parent compares what every rank saw
-            message = f"{type(exc).__name__}: {exc}".split(". ")[0]
-            queue.put((rank, message, trainer.iter, trainer.train_step.nonfinite_skipped))
+def _nonfinite_worker(rank, init_file, opts):
+    torch.manual_seed(0)
+    cfg = load_cfg(None, opts)
+    trainer = Trainer(cfg, model=NanLossModel(nan_at=3, rank=1), data_loader=IndexedToyLoader(seed=rank))
+    try:
+        trainer.train()
+        outcome = "finished"
+    except Exception as exc:  # reported, not raised: the parent compares what every rank saw
+        outcome = f"{type(exc).__name__}: {exc}".split(". ")[0]
+    return rank, outcome, trainer.iter, trainer.train_step.nonfinite_skipped
 
 
 @pytest.mark.parametrize("skip, expected", [
@@ -164,16 +163,16 @@ class SignalRankOne(TrainHook):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _signal_worker(rank, init_file, opts, queue):
-    with two_rank_group(rank, init_file):
-        torch.manual_seed(0)
-        trainer = Trainer(load_cfg(None, opts), model=ToyModel(), data_loader=IndexedToyLoader(seed=rank))
-        trainer.register_hook(SignalRankOne())
-        try:
-            trainer.train()
-            queue.put((rank, "finished", trainer.iter))
-        except TrainingInterrupted as exc:
-            queue.put((rank, str(exc).split(";")[0], trainer.iter))
+def _signal_worker(rank, init_file, opts):
+    torch.manual_seed(0)
+    trainer = Trainer(load_cfg(None, opts), model=ToyModel(), data_loader=IndexedToyLoader(seed=rank))
+    trainer.register_hook(SignalRankOne())
+    try:
+        trainer.train()
+        outcome = "finished"
+    except TrainingInterrupted as exc:
+        outcome = str(exc).split(";")[0]
+    return rank, outcome, trainer.iter
 
 
 def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
