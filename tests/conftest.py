@@ -9,8 +9,9 @@ import gc
 import multiprocessing
 import os
 import re
+import traceback
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -211,6 +212,13 @@ def cfg_for(make_cfg):
     return lambda *opts: make_cfg("TRAIN.SAVE_AS_JSON", False, "DISPLAY_ITER", 100, *opts)
 
 
+class RankFailure(NamedTuple):
+    """What a ``run_two_ranks`` worker that raised sends instead of its result."""
+
+    rank: int
+    traceback: str
+
+
 def _rank_main(worker: Any, rank: int, init_file: Any, args: tuple, queue: Any) -> None:
     """One process of ``run_two_ranks``: join the gloo group, run ``worker``, tear down, report.
 
@@ -228,6 +236,9 @@ def _rank_main(worker: Any, rank: int, init_file: Any, args: tuple, queue: Any) 
         result = worker(rank, init_file, *args)
         gc.collect()
         dist.barrier()
+    except BaseException:
+        queue.put(RankFailure(rank, traceback.format_exc()))
+        raise
     finally:
         dist.destroy_process_group()
     queue.put(result)
@@ -237,23 +248,28 @@ def run_two_ranks(worker: Any, init_file: Any, *args: Any, timeout: float = 120)
     """``worker(rank, init_file, *args)`` in each process of a two-process gloo group; what they return, sorted.
 
     Spawned, not forked: a fork copies torch's OpenMP thread pool, which hangs the child once an
-    earlier test has used it. A hang, or a worker that raises, shows up as ``queue.Empty`` after
-    ``timeout``; both processes must exit cleanly.
+    earlier test has used it. A worker that raises fails the test at once with its traceback; a
+    hang shows up as ``queue.Empty`` after ``timeout``. Both processes must exit cleanly.
     """
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     workers = [context.Process(target=_rank_main, args=(worker, rank, init_file, args, queue)) for rank in range(2)]
     for process in workers:
         process.start()
+    results = []
     try:
-        results = sorted(queue.get(timeout=timeout) for _ in workers)
+        for _ in workers:
+            reported = queue.get(timeout=timeout)
+            if isinstance(reported, RankFailure):
+                pytest.fail(f"rank {reported.rank} raised:\n{reported.traceback}", pytrace=False)
+            results.append(reported)
     finally:
         for process in workers:
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()
     assert [process.exitcode for process in workers] == [0, 0]
-    return results
+    return sorted(results)
 
 
 class FakeClock:
