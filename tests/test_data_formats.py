@@ -265,6 +265,21 @@ def test_ultralytics_layout_list_files_dict_names_polygons_and_missing_labels(tm
     assert len(read_yolo(str(tmp_path / "cfg" / "mini.yaml"), "val").coco["images"]) == 1
 
 
+def test_a_roboflow_export_with_parent_relative_splits_reads_its_own_folders(tmp_path):
+    """Roboflow writes `train: ../train/images` in a data.yaml that sits beside train/: Ultralytics, finding no
+    such folder above, drops the ../ and reads the one beside the yaml."""
+    for split in ("train", "valid"):
+        _jpeg(tmp_path / "export" / split / "images" / "a.jpg", 100, 50)
+        _write(tmp_path / "export" / split / "labels" / "a.txt", "0 0.5 0.5 0.2 0.2\n")
+    (tmp_path / "export" / "data.yaml").write_text("train: ../train/images\nval: ../valid/images\nnc: 1\n"
+                                                   "names: ['cone']\n")
+    for split, folder in (("train", "train"), ("val", "valid")):
+        read = read_yolo(str(tmp_path / "export" / "data.yaml"), split)
+        assert read.image_root == str(tmp_path / "export")
+        assert [i["file_name"] for i in read.coco["images"]] == [os.path.join(folder, "images", "a.jpg")]
+        assert [a["bbox"] for a in read.coco["annotations"]] == [[40.0, 20.0, 20.0, 10.0]]
+
+
 def test_yolo_labels_written_from_pixel_boxes_read_back_as_exactly_those_pixels(tmp_path):
     """Normalising and back leaves float noise (0 becomes 2e-9): Pet rounds it away at 1e-6 px, far below the
     labels' precision, so a box reads back to the same float32 a COCO file gives."""

@@ -1,13 +1,15 @@
 """Ultralytics' YOLO layout, read as it is: :func:`read_yolo`.
 
-A ``data.yaml`` names the dataset root (``path``, relative to the yaml's folder; the folder
-itself when absent), the splits (``train``, ``val``, ``test``: a folder searched recursively for
-images, a text file listing image paths (relative ones from the text file's folder), or a list of
-those) and the classes (``names``: a list, or a dict ``{index: name}``). Each image's label file
-is its path with the last ``/images/`` replaced by ``/labels/`` and the extension by ``.txt``
-(Ultralytics' ``img2label_paths``). A label line is ``class cx cy w h`` normalised by the image
-size, or ``class x1 y1 x2 y2 ...`` (three or more points), a polygon, used as the segmentation
-and its extent as the box. A missing or empty label file makes a background image.
+A ``data.yaml`` names the dataset root (``path``, relative to the yaml's folder; the folder itself
+when absent), the splits (``train``, ``val``, ``test``: a folder searched recursively for images, a
+text file listing image paths (relative ones from the text file's folder), or a list of those; a
+single split path starting with ``../`` that does not exist is read without the ``../``, as
+Ultralytics does for Roboflow's exports) and the classes (``names``: a list, or a dict
+``{index: name}``). Each image's label file is its path with the last ``/images/`` replaced by
+``/labels/`` and the extension by ``.txt`` (Ultralytics' ``img2label_paths``). A label line is
+``class cx cy w h`` normalised by the image size, or ``class x1 y1 x2 y2 ...`` (three or more
+points), a polygon, used as the segmentation and its extent as the box. A missing or empty label
+file makes a background image.
 
 Images are numbered 1..N in sorted path order (Ultralytics' order); their sizes come from the
 file headers, after EXIF orientation, as opencv decodes them. Class index i is ``names[i]``, id
@@ -115,6 +117,9 @@ def _list_images(source: Any, root: str, data_yaml: str, split: str) -> list[str
     paths: list[str] = []
     for entry in source if isinstance(source, list) else [source]:
         where = os.path.normpath(os.path.join(root, str(entry)))
+        if not os.path.exists(where) and isinstance(source, str) and source.startswith("../"):
+            # Roboflow's export: `train: ../train/images` beside the yaml; Ultralytics then drops the ../
+            where = os.path.normpath(os.path.join(root, source[3:]))
         if os.path.isdir(where):
             paths += [p for p in glob.glob(os.path.join(glob.escape(where), "**", "*.*"), recursive=True)
                       if p.lower().endswith(IMAGE_EXTENSIONS)]
