@@ -537,6 +537,48 @@ def _move_first_box(json_file, dx: float) -> None:
     open(json_file, "w").write(json.dumps(data))
 
 
+def _add_empty_coco_box(json_file) -> None:
+    data = json.loads(open(json_file).read())
+    data["annotations"].append({"id": 999, "image_id": 1, "category_id": 1, "bbox": [10, 10, 0, 8], "iscrowd": 0})
+    open(json_file, "w").write(json.dumps(data))
+
+
+_EMPTY_VOC_OBJECT = ("<object><name>circle</name><difficult>0</difficult><bndbox><xmin>10</xmin><ymin>10</ymin>"
+                     "<xmax>5</xmax><ymax>20</ymax></bndbox></object></annotation>")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_perfect_detections_score_100_on_a_converted_set_with_clipped_and_dropped_boxes(tmp_path, fmt):
+    """A YOLO, VOC or CSV set's ground truth is the boxes training uses: a box dropped as empty is no miss, a
+    clipped one is scored clipped. A COCO file stays the user's own ground truth, scored as it is."""
+    from pet.evaluation.coco import evaluate_results_file
+
+    spec = write_all_formats(tmp_path)[fmt]
+    labels = tmp_path / "yolo/labels/train/img_001.txt"
+    change = {"yolo": lambda: _append(labels, "0 0.95 0.5 0.3 0.2\n0 0.3 0.3 0 0.2\n"),
+              "voc": lambda: (_replace(tmp_path / "voc/Annotations/img_001.xml", "<xmin>", "<xmin>-2"),
+                              _replace(tmp_path / "voc/Annotations/img_001.xml", "</annotation>", _EMPTY_VOC_OBJECT)),
+              "csv": lambda: _append(tmp_path / "csv/boxes.csv", "img_001.jpg,30,2,90,9,circle\n"
+                                                                 "img_001.jpg,10,10,10,20,circle\n"),
+              "coco": lambda: (_move_first_box(tmp_path / "coco/ann.json", dx=-5),
+                               _add_empty_coco_box(tmp_path / "coco/ann.json"))}
+    change[fmt]()
+    dataset = get_dataset(_register(spec))
+    detections = [{"image_id": r["image_id"], "category_id": dataset.label_to_category_id[int(label)], "score": 0.9,
+                   "bbox": [float(x0), float(y0), float(x1 - x0), float(y1 - y0)]}
+                  for r in dataset.records for (x0, y0, x1, y1), label in zip(r["boxes"], r["labels"])]
+    (tmp_path / "bbox.json").write_text(json.dumps(detections))
+    ap = evaluate_results_file(dataset, str(tmp_path / "bbox.json"))["bbox"]["AP"]
+    if fmt == "coco":
+        assert ap < 99 and len(dataset.coco.getAnnIds(imgIds=[1])) == len(dataset.records[0]["boxes"]) + 1
+        return
+    assert ap == pytest.approx(100.0)
+    ground_truth = [a for a in dataset.coco.loadAnns(dataset.coco.getAnnIds(imgIds=[1])) if not a["iscrowd"]]
+    xyxy = [[x, y, x + w, y + h] for x, y, w, h in (a["bbox"] for a in ground_truth)]
+    assert np.allclose(xyxy, dataset.records[0]["boxes"], atol=1e-5)  # the records are float32
+    assert all(a["area"] == a["bbox"][2] * a["bbox"][3] for a in ground_truth)
+
+
 # --------------------------------------------------------------------------- the tools
 
 

@@ -37,7 +37,8 @@ class COCODataset(LabeledDataset):
         name, json_file, image_root: where it comes from (``json_file``: the annotation source, for the other
             formats their ``path``: the data.yaml, the VOC root or the CSV file).
         format: the format it was read from: ``coco``, ``yolo``, ``voc`` or ``csv``.
-        coco: the pycocotools ``COCO`` object of the file, unmodified (the evaluation ground truth).
+        coco: the pycocotools ``COCO`` object of the annotations, the evaluation ground truth: a COCO file's
+            as they are; for the other formats the boxes training uses (see :class:`_BoxFixer`).
         categories: the file's categories ``{id: name}``, by increasing id.
         label_space: the file's own contiguous :class:`~pet.data.categories.LabelSpace` (its categories
             sorted by id are labels 1..C), the labels of ``records``. A model's label space may differ
@@ -107,15 +108,16 @@ def build_coco_dataset(
     origins: Mapping[int, str] | None = None,
     format: str = "coco",
 ) -> COCODataset:
-    """Validate a COCO-format dict (read from ``source``) into a :class:`COCODataset`; ``data`` is kept as the
+    """Validate a COCO-format dict (read from ``source``) into a :class:`COCODataset`; ``data`` becomes the
     ground truth.
 
     Crowd annotations stay in ``coco`` (COCOeval ignores matches to them) but not in the
     training records. A box that is empty or sticks out of its image is rejected with a
     :class:`DataError` when ``strict``; otherwise it is clipped to the image (or dropped
-    when nothing is left) and a warning reports how many. ``classes`` renumbers the categories
-    by name to ids 1..K in its order (an annotated category outside it is an error; unannotated
-    ones are dropped). ``origins`` (annotation id -> where it was read, e.g. ``file:line``) names
+    when nothing is left) and a warning reports how many; for a ``format`` other than ``coco``
+    the ground truth is rewritten to match (see :class:`_BoxFixer`). ``classes`` renumbers the
+    categories by name to ids 1..K in its order (an annotated category outside it is an error;
+    unannotated ones are dropped). ``origins`` (annotation id -> where it was read, e.g. ``file:line``) names
     the culprit in messages about a box, for datasets read from other formats.
     """
     where = f"{source} (dataset '{name}')"
@@ -125,27 +127,33 @@ def build_coco_dataset(
     images = _check_images(data["images"], image_root, where)
     annotations = _check_annotations(data["annotations"], images, categories, where)
 
-    coco = COCO()
-    coco.dataset = data
-    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress lines
-        coco.createIndex()
-
     cat_to_label = LabelSpace.contiguous(categories).category_id_to_label
     fixer = _BoxFixer(where, strict, origins or {})
     per_image: dict[int, list[tuple[list[float], int, Any]]] = collections.defaultdict(list)
     without_mask = []
+    dropped: set[Any] = set()
     for ann in annotations:
         if ann.get("iscrowd", 0):
             continue
         image = images[ann["image_id"]]
         box = fixer(ann, image["width"], image["height"])
         if box is None:
+            dropped.add(ann["id"])
             continue
+        if format != "coco":
+            _set_box(ann, box)
         segmentation = _segmentation(ann, image, where)
         if segmentation is None:
             without_mask.append(ann["id"])
         per_image[ann["image_id"]].append((box, cat_to_label[ann["category_id"]], segmentation))
-    fixer.report()
+    fixer.report(rewritten=format != "coco")
+    if format != "coco":
+        data["annotations"] = [ann for ann in annotations if ann["id"] not in dropped]
+
+    coco = COCO()
+    coco.dataset = data
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress lines
+        coco.createIndex()
 
     records = []
     for image_id, image in images.items():
@@ -295,6 +303,16 @@ def _check_annotations(
     return annotations
 
 
+def _set_box(ann: dict[str, Any], box: list[float]) -> None:
+    """Write the XYXY ``box`` training uses into a converted annotation when clipping changed it (the area of a
+    box without a polygon follows); an unchanged one keeps its exact numbers."""
+    x, y, w, h = (float(v) for v in ann["bbox"])
+    if box != [x, y, x + w, y + h]:
+        ann["bbox"] = [box[0], box[1], box[2] - box[0], box[3] - box[1]]
+        if "segmentation" not in ann:
+            ann["area"] = ann["bbox"][2] * ann["bbox"][3]
+
+
 def _segmentation(ann: dict[str, Any], image: dict[str, Any], where: str) -> Any:
     """The annotation's mask as float64 polygons or an RLE dict; None when it has none.
 
@@ -325,7 +343,13 @@ def _segmentation(ann: dict[str, Any], image: dict[str, Any], where: str) -> Any
 
 
 class _BoxFixer:
-    """Turns COCO [x, y, w, h] into XYXY, rejecting (strict) or clipping/dropping bad boxes and counting them."""
+    """Turns COCO [x, y, w, h] into XYXY, rejecting (strict) or clipping/dropping bad boxes and counting them.
+
+    What is scored follows what is trained on for the sets Pet converts (YOLO, VOC, CSV): their
+    evaluation ground truth leaves the dropped boxes out and holds the clipped ones as clipped, so a
+    box no detector could find (an empty one, one outside its image) is not counted as a miss. A
+    COCO file is the user's own ground truth and is scored as it is.
+    """
 
     def __init__(self, where: str, strict: bool, origins: Mapping[int, str]) -> None:
         self.where = where
@@ -358,13 +382,17 @@ class _BoxFixer:
         self.clipped.append(culprit)
         return box
 
-    def report(self) -> None:
+    def report(self, rewritten: bool) -> None:
+        """One warning for all the boxes fixed; ``rewritten``: the ground truth was changed to match (see above)."""
         if self.clipped or self.dropped:
             what = "labels" if self.origins else "annotation ids"
+            scored = "evaluation scores against the same boxes" if rewritten else \
+                "evaluation scores against the file as it is"
             logger.warning(
                 f"{self.where}: clipped {len(self.clipped)} boxes that stick out of their image "
                 f"(e.g. {what} {self.clipped[:5]}) and dropped {len(self.dropped)} empty or fully "
-                f"outside boxes (e.g. {self.dropped[:5]}). Set DATA.STRICT True to reject them instead."
+                f"outside boxes (e.g. {self.dropped[:5]}) for training; {scored}. Set DATA.STRICT True to "
+                "reject them instead."
             )
 
 
