@@ -280,6 +280,23 @@ def test_a_roboflow_export_with_parent_relative_splits_reads_its_own_folders(tmp
         assert [a["bbox"] for a in read.coco["annotations"]] == [[40.0, 20.0, 20.0, 10.0]]
 
 
+def test_a_yolo_label_line_repeated_in_one_file_is_read_once_with_one_warning(tmp_path, caplog):
+    """Ultralytics removes duplicate label rows: kept, the repeat is an object no detection can match twice."""
+    for stem in ("a", "b"):
+        _jpeg(tmp_path / "images" / f"{stem}.jpg", 100, 100)
+    _write(tmp_path / "labels" / "a.txt", "0 0.5 0.5 0.2 0.2\n0 0.1 0.1 0.1 0.1\n0 0.5 0.5 0.2 0.2\n"
+                                          "0 0.5 0.5 0.2 0.2\n")
+    _write(tmp_path / "labels" / "b.txt", "0 0.5 0.5 0.2 0.2\n1 0.5 0.5 0.2 0.2\n")  # another class: no repeat
+    (tmp_path / "data.yaml").write_text("train: images\nnames: [a, b]\n")
+    with caplog.at_level(logging.WARNING, logger="pet.data.formats.yolo"):
+        read = read_yolo(str(tmp_path / "data.yaml"), "train")
+    assert [(a["image_id"], a["bbox"]) for a in read.coco["annotations"]] == [
+        (1, [40.0, 40.0, 20.0, 20.0]), (1, [5.0, 5.0, 10.0, 10.0]), (2, [40.0, 40.0, 20.0, 20.0]),
+        (2, [40.0, 40.0, 20.0, 20.0])]
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert warning.startswith(f"{tmp_path / 'labels' / 'a.txt'}: removed 2 duplicate label lines")
+
+
 def test_yolo_labels_written_from_pixel_boxes_read_back_as_exactly_those_pixels(tmp_path):
     """Normalising and back leaves float noise (0 becomes 2e-9): Pet rounds it away at 1e-6 px, far below the
     labels' precision, so a box reads back to the same float32 a COCO file gives."""

@@ -9,7 +9,8 @@ Ultralytics does for Roboflow's exports) and the classes (``names``: a list, or 
 ``/labels/`` and the extension by ``.txt`` (Ultralytics' ``img2label_paths``). A label line is
 ``class cx cy w h`` normalised by the image size, or ``class x1 y1 x2 y2 ...`` (three or more
 points), a polygon, used as the segmentation and its extent as the box. A missing or empty label
-file makes a background image.
+file makes a background image. A line repeated in one file is read once, with a warning, as
+Ultralytics does: a repeat is one object counted twice, a sure miss in evaluation.
 
 Images are numbered 1..N in sorted path order (Ultralytics' order); their sizes come from the
 file headers, after EXIF orientation, as opencv decodes them. Class index i is ``names[i]``, id
@@ -19,6 +20,7 @@ bad label and goes on, a bad line stops loading with its ``file:line``.
 from __future__ import annotations
 
 import glob
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -37,6 +39,8 @@ from pet.data.formats.common import (
 from pet.utils.errors import DataError
 
 __all__ = ["read_yolo", "label_path"]
+
+logger = logging.getLogger(__name__)
 
 # Normalised values may overshoot [0, 1] by this much (Ultralytics' own tolerance for rounding in tools);
 # what then sticks out of the image is clipped (or rejected with DATA.STRICT) like any box.
@@ -144,7 +148,7 @@ def _read_label_file(
     with open(path, encoding="utf-8-sig") as f:
         lines = f.read().splitlines()
     box_values = 5 if kpt_shape is None else 5 + int(np.prod(kpt_shape))  # a pose set: the box, then keypoints
-    rows = []
+    rows, seen, duplicates = [], set(), 0
     for line_no, line in enumerate(lines, 1):
         fields = line.split()
         if not fields:
@@ -169,7 +173,14 @@ def _read_label_file(
             raise DataError(f"{where}: coordinates {fields[1:][:8]} are not normalised to [0, 1] (YOLO labels "
                             "are fractions of the image width and height; these look like pixels). Divide them by "
                             "the image size.")
+        if tuple(values) in seen:
+            duplicates += 1
+            continue
+        seen.add(tuple(values))
         rows.append((line_no, int(cls), coords))
+    if duplicates:
+        logger.warning(f"{path}: removed {duplicates} duplicate label lines (each repeats an earlier line of the "
+                       "file), as Ultralytics does. Remove them from the file to silence this.")
     return rows
 
 
