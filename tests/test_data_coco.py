@@ -230,6 +230,13 @@ _BAD_DATA = {
                             r"Annotation 7 .*\(image id 1\): bbox \[30, 20, 20, 20\] lies outside the 40x30 image"),
     "empty box, strict": ({"annotations": [{"id": 8, "image_id": 1, "category_id": 1, "bbox": [5, 5, 0, 4]}],
                            "opts": ["DATA.STRICT", True]}, r"Annotation 8 .* has zero or negative size. Fix it"),
+    "NaN in a box": ({"annotations": [{"id": 9, "image_id": 1, "category_id": 1, "bbox": [float("nan"), 5, 4, 4]}]},
+                     r"Annotation 9 in .*ann.json \(dataset '{name}'\) \(image id 1\) has bbox \[nan, 5, 4, 4\], "
+                     "which holds NaN or infinity"),
+    "infinity in a box, strict": ({"annotations": [{"id": 3, "image_id": 1, "category_id": 1,
+                                                    "bbox": [1, 5, float("inf"), 4]}], "opts": ["DATA.STRICT", True]},
+                                  r"Annotation 3 in .*ann.json .* has bbox \[1, 5, inf, 4\], which holds NaN or "
+                                  "infinity. Fix or remove"),
     "empty dataset": ({"images": [], "annotations": []}, "ann.json .* lists no images; .* Point the dataset at"),
     "no usable box": ({"annotations": []}, "Dataset '{name}' has no image with a usable .*DATA.FILTER_EMPTY False"),
     "missing image": ({"remove": "1.png"}, r"1 of 1 image files .* missing, e.g. .*1.png \(image id 1\)"),

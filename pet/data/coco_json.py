@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -298,6 +299,9 @@ def _check_annotations(
         ):
             raise DataError(f"Annotation {ann_id} in {where} (image id {ann['image_id']}) has bbox {bbox!r}; "
                             "COCO boxes are [x, y, width, height] numbers.")
+        if not all(math.isfinite(v) for v in bbox):  # NaN compares False to every bound: it would pass as a box
+            raise DataError(f"Annotation {ann_id} in {where} (image id {ann['image_id']}) has bbox {bbox!r}, which "
+                            "holds NaN or infinity. Fix or remove the annotation.")
         ann.setdefault("iscrowd", 0)
         ann.setdefault("area", float(bbox[2]) * float(bbox[3]))
     return annotations
