@@ -178,6 +178,12 @@ def test_annotation_with_unknown_image_or_category(tmp_path):
     _, json_file, image_dir = write_coco(tmp_path, annotations=bad_cat)
     with pytest.raises(DataError, match=r"Annotation 6 .*image id 1.* category id 4.*known ids: \[1\]"):
         load_coco_json(json_file, image_dir)
+    # With `classes`, the check comes before the renumbering: id 1 is no category of the file, not the new 'thing'.
+    _, json_file, image_dir = write_coco(tmp_path, annotations=[{"id": 7, "image_id": 1, "category_id": 1,
+                                                                 "bbox": [0, 0, 2, 2]}],
+                                         categories=[{"id": 5, "name": "thing"}])
+    with pytest.raises(DataError, match=r"Annotation 7 .*image id 1.* category id 1.*known ids: \[5\]"):
+        load_coco_json(json_file, image_dir, classes=["thing"])
 
 
 def test_degenerate_boxes_clipped_or_rejected(tmp_path, caplog):

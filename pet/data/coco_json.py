@@ -123,10 +123,10 @@ def build_coco_dataset(
     """
     where = f"{source} (dataset '{name}')"
     categories = _check_categories(data["categories"], where)
-    if classes:
-        categories = _apply_class_list(data, categories, classes, where, origins or {})
     images = _check_images(data["images"], image_root, where)
     annotations = _check_annotations(data["annotations"], images, categories, where)
+    if classes:  # after the check: an id outside the file's categories would pass as one of the new ids
+        categories = _apply_class_list(data, categories, classes, where, origins or {})
 
     cat_to_label = LabelSpace.contiguous(categories).category_id_to_label
     fixer = _BoxFixer(where, strict, origins or {})
