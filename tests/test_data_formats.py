@@ -280,6 +280,20 @@ def test_a_roboflow_export_with_parent_relative_splits_reads_its_own_folders(tmp
         assert [a["bbox"] for a in read.coco["annotations"]] == [[40.0, 20.0, 20.0, 10.0]]
 
 
+def test_a_pose_set_reads_the_box_of_each_line_and_stops_at_a_line_unlike_its_kpt_shape(tmp_path):
+    """With kpt_shape [17, 3] a line is the box and 51 keypoint values; 17 keypoints written as x y (39 values)
+    are not a polygon (the yaml says pose) but a mistake naming its file:line."""
+    _jpeg(tmp_path / "images" / "a.jpg", 100, 100)
+    (tmp_path / "data.yaml").write_text("train: images\nkpt_shape: [17, 3]\nnames: [person]\n")
+    _write(tmp_path / "labels" / "a.txt", f"0 0.5 0.5 0.2 0.2 {' '.join(['0.9 0.9 2'] * 17)}\n0 0.2 0.2 0.1 0.1\n")
+    read = read_yolo(str(tmp_path / "data.yaml"), "train")
+    assert [a["bbox"] for a in read.coco["annotations"]] == [[40.0, 40.0, 20.0, 20.0], [15.0, 15.0, 10.0, 10.0]]
+    _append(tmp_path / "labels" / "a.txt", f"0 0.5 0.5 0.2 0.2 {' '.join(['0.9 0.9'] * 17)}\n")
+    with pytest.raises(DataError, match=r"a.txt:3: 39 values; with kpt_shape \[17, 3\] in the data.yaml a label "
+                                        r"line is 'class cx cy w h' and 51 keypoint values \(56 in all\)"):
+        read_yolo(str(tmp_path / "data.yaml"), "train")
+
+
 def test_a_yolo_label_line_repeated_in_one_file_is_read_once_with_one_warning(tmp_path, caplog):
     """Ultralytics removes duplicate label rows: kept, the repeat is an object no detection can match twice."""
     for stem in ("a", "b"):

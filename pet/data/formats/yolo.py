@@ -8,9 +8,10 @@ Ultralytics does for Roboflow's exports) and the classes (``names``: a list, or 
 ``{index: name}``). Each image's label file is its path with the last ``/images/`` replaced by
 ``/labels/`` and the extension by ``.txt`` (Ultralytics' ``img2label_paths``). A label line is
 ``class cx cy w h`` normalised by the image size, or ``class x1 y1 x2 y2 ...`` (three or more
-points), a polygon, used as the segmentation and its extent as the box. A missing or empty label
-file makes a background image. A line repeated in one file is read once, with a warning, as
-Ultralytics does: a repeat is one object counted twice, a sure miss in evaluation.
+points), a polygon, used as the segmentation and its extent as the box; in a pose set (``kpt_shape``
+in the yaml) it is the box alone or the box and its keypoints (read past), nothing else. A missing
+or empty label file makes a background image. A line repeated in one file is read once, with a
+warning, as Ultralytics does: a repeat is one object counted twice, a sure miss in evaluation.
 
 Images are numbered 1..N in sorted path order (Ultralytics' order); their sizes come from the
 file headers, after EXIF orientation, as opencv decodes them. Class index i is ``names[i]``, id
@@ -159,7 +160,11 @@ def _read_label_file(
         except ValueError:
             raise DataError(f"{where}: '{line.strip()[:80]}' is not numbers; a YOLO label line is "
                             "'class cx cy w h' (or 'class x1 y1 x2 y2 ...' for a polygon).") from None
-        if kpt_shape is not None and len(values) == box_values:
+        if kpt_shape is not None and len(values) not in (5, box_values):  # not a polygon: a pose set has none
+            raise DataError(f"{where}: {len(values)} values; with kpt_shape {kpt_shape} in the data.yaml a label line "
+                            f"is 'class cx cy w h' and {box_values - 5} keypoint values ({box_values} in all). Fix "
+                            "the line, or the data.yaml's kpt_shape.")
+        if kpt_shape is not None:
             values = values[:5]
         if len(values) != 5 and (len(values) < 7 or len(values) % 2 == 0):
             raise DataError(f"{where}: {len(values)} values; a YOLO label line is 'class cx cy w h' (5 values) or "
