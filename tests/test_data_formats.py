@@ -212,6 +212,19 @@ def test_a_devkit_voc_annotation_reads_one_based_float_coordinates_and_difficult
     assert crowd["bbox"] == [39.0, 29.0, 21.0, 16.0] and crowd["category_id"] == 1  # difficult: ignored, not trained
 
 
+def test_a_voc_split_file_and_a_yolo_image_list_saved_with_a_bom_read_as_without(tmp_path):
+    """Notepad and other Windows tools start a UTF-8 file with a byte-order mark (and end lines with CRLF): the
+    first image id or path must not carry it ('\\ufeff000005' has no annotation file)."""
+    root = _devkit_root(tmp_path)
+    (root / "ImageSets" / "Main" / "test.txt").write_bytes("000005\r\n".encode("utf-8-sig"))
+    assert len(get_dataset(_register({"format": "voc", "path": str(root), "split": "test"}))) == 1
+    _jpeg(tmp_path / "y" / "images" / "a.jpg", 60, 40)
+    _write(tmp_path / "y" / "train.txt", "./images/a.jpg\r\n".encode("utf-8-sig"))
+    (tmp_path / "y" / "data.yaml").write_text("train: train.txt\nnames: [dog]\n")
+    read = read_yolo(str(tmp_path / "y" / "data.yaml"), "train")
+    assert [i["file_name"] for i in read.coco["images"]] == [os.path.join("images", "a.jpg")]
+
+
 def test_keras_retinanet_csv_without_header_and_with_empty_images(tmp_path):
     _jpeg(tmp_path / "imgs" / "a.jpg", 50, 40)
     _jpeg(tmp_path / "imgs" / "sub" / "b.png", 30, 20)

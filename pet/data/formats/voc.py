@@ -77,7 +77,7 @@ def _split_ids(root: str, split: str) -> list[tuple[str, str]]:
         hint = f" Splits there: {found}." if found else " Is `path` the VOC root (holding Annotations/, " \
             "JPEGImages/ and ImageSets/Main/)?"
         raise DataError(f"VOC split file not found: {split_file}.{hint}")
-    with open(split_file, encoding="utf-8") as f:
+    with open(split_file, encoding="utf-8-sig") as f:  # -sig: Windows tools start the file with a BOM
         ids = [(f"{split_file}:{i}", line.split()[0]) for i, line in enumerate(f, 1) if line.strip()]
     if not ids:
         raise DataError(f"{split_file} lists no image ids; an empty split cannot be trained or tested on.")

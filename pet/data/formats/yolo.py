@@ -129,7 +129,7 @@ def _list_images(source: Any, root: str, data_yaml: str, split: str) -> list[str
             paths += [p for p in glob.glob(os.path.join(glob.escape(where), "**", "*.*"), recursive=True)
                       if p.lower().endswith(IMAGE_EXTENSIONS)]
         elif os.path.isfile(where):
-            with open(where, encoding="utf-8") as f:
+            with open(where, encoding="utf-8-sig") as f:  # -sig: Windows tools start the file with a BOM
                 lines = [line.strip() for line in f if line.strip()]
             paths += [os.path.normpath(os.path.join(os.path.dirname(where), line)) for line in lines]
         else:
