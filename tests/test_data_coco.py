@@ -161,6 +161,9 @@ def test_missing_json(tmp_path):
     ("[]", "looks like a detection results file"),
     ('{"images": []}', "is not in COCO format"),
     ('{"images": [{"id": 1}], "categories": [{"id": 1, "name": "a"}]}', "Image #0 .* needs an 'id' and a 'file_name'"),
+    ('{"images": [{"id": 1, "file_name": "a.png", "width": "60", "height": "40"}], "categories": [{"id": 1, '
+     '"name": "a"}], "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [1, 5, 10, 10]}]}',
+     r"Image id 1 in .*bad.json .* has width '60' and height '40'; they must be numbers of pixels"),
 ])
 def test_json_that_is_not_coco(tmp_path, content, message):
     json_file = tmp_path / "bad.json"

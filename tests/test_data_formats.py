@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import uuid
 
 import cv2
@@ -492,6 +493,8 @@ _BAD = {
                                        r"img_001.txt:2: class index 4 is not one of the 4 classes", {}, []),
     "yolo: not normalised": ("yolo", lambda r: _append(r / "yolo/labels/train/img_001.txt", "0 12 14 5 6\n"),
                              r"img_001.txt:2: coordinates .* are not normalised to \[0, 1\]", {}, []),
+    "yolo: class nan": ("yolo", lambda r: _append(r / "yolo/labels/train/img_001.txt", "nan 0.5 0.5 0.1 0.1\n"),
+                        r"img_001.txt:2: 'nan 0.5 0.5 0.1 0.1' is not numbers", {}, []),
     "yolo: wrong number of values": ("yolo", lambda r: _append(r / "yolo/labels/train/img_001.txt", "0 .5 .5 .1\n"),
                                      r"img_001.txt:2: 4 values; a YOLO label line is", {}, []),
     "yolo: box outside, strict": ("yolo", lambda r: _append(r / "yolo/labels/train/img_001.txt",
@@ -500,6 +503,8 @@ _BAD = {
                                   r"Fix it, or set DATA.STRICT False", {}, ["DATA.STRICT", True]),
     "voc: no such split": ("voc", None, r"VOC split file not found: .*val.txt. Splits there: \['train'\]",
                            {"split": "val"}, []),
+    "voc: no Annotations folder": ("voc", lambda r: shutil.rmtree(r / "voc/Annotations"),
+                                   r"VOC root .*voc has no Annotations/ folder .* Is `path` the VOC root", {}, []),
     "voc: xml syntax": ("voc", lambda r: _replace(r / "voc/Annotations/img_002.xml", "</annotation>", ""),
                         r"img_002.xml:\d+: not valid XML", {}, []),
     "voc: no bndbox": ("voc", lambda r: _replace(r / "voc/Annotations/img_002.xml", "bndbox>", "box>", count=2),
@@ -522,6 +527,8 @@ _BAD = {
                                    r"boxes.csv:1: the header .* lacks the columns \['image_path'\]", {}, []),
     "csv: box without label": ("csv", lambda r: _append(r / "csv/boxes.csv", "img_001.jpg,1,2,3,4,\n"),
                                r"boxes.csv:\d+: a box without a label", {}, []),
+    "csv: label without a box": ("csv", lambda r: _append(r / "csv/boxes.csv", "img_001.jpg,,,,,circle\n"),
+                                 r"boxes.csv:\d+: label 'circle' without a box. Give the box", {}, []),
     "csv: missing image": ("csv", lambda r: _append(r / "csv/boxes.csv", "nope.jpg,1,2,3,4,circle\n"),
                            r"boxes.csv:\d+: image .*nope.jpg does not exist", {}, []),
     "csv: class outside classes": ("csv", None, r"boxes.csv:\d+: class 'star' is not in the dataset's `classes`",

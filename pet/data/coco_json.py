@@ -260,6 +260,10 @@ def _check_images(images: list[Any], image_root: str, where: str) -> dict[int, d
             raise DataError(f"Image #{i} in {where} needs an 'id' and a 'file_name', got {img!r}.")
         if img["id"] in result:
             raise DataError(f"Image id {img['id']} appears twice in {where}; image ids must be unique.")
+        sizes = [img.get(k) for k in ("width", "height")]
+        if any(v and (not isinstance(v, (int, float)) or isinstance(v, bool)) for v in sizes):
+            raise DataError(f"Image id {img['id']} in {where} has width {sizes[0]!r} and height {sizes[1]!r}; "
+                            "they must be numbers of pixels (or left out, to be read from the image).")
         if not img.get("height") or not img.get("width"):
             img["width"], img["height"] = _size_from_header(os.path.join(image_root, img["file_name"]), img["id"])
         result[img["id"]] = img

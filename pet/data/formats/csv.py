@@ -55,7 +55,10 @@ def read_csv(
                             "width": width, "height": height}
         coords_text = [row[index[c]].strip() for c in _COORDS]
         label = row[index["label"]].strip()
-        if not any(coords_text) and not label:
+        if not any(coords_text):
+            if label:
+                raise DataError(f"{where}: label '{label}' without a box. Give the box (xmin, ymin, xmax, ymax in "
+                                "pixels), or leave the label empty too to mark an image without boxes.")
             continue  # an image without boxes
         coords = _coords(coords_text, where)
         if coords == [0.0, 0.0, 0.0, 0.0]:
@@ -134,4 +137,4 @@ def _coords(texts: list[str], where: str) -> list[float]:
         return [float(t) for t in texts]
     except ValueError:
         raise DataError(f"{where}: the box {texts} is not four numbers (xmin, ymin, xmax, ymax in pixels). "
-                        "Fix the row, or leave all four empty for an image without boxes.") from None
+                        "Fix the row, or leave all four and the label empty for an image without boxes.") from None

@@ -31,6 +31,9 @@ def read_voc(root: str, split: str, classes: Sequence[str] | None = None) -> Rea
     """The images of ``ImageSets/Main/<split>.txt`` under the VOC ``root`` as a COCO dict; see the module doc."""
     ids = _split_ids(root, split)
     annotations_dir = os.path.join(root, "Annotations")
+    if not os.path.isdir(annotations_dir):
+        raise DataError(f"VOC root {root} has no Annotations/ folder (the XML files). Is `path` the VOC root (holding "
+                        "Annotations/, JPEGImages/ and ImageSets/Main/)?")
     image_root = os.path.join(root, "JPEGImages")
     class_list = ClassList(classes)
     if not classes:  # the list comes from every XML, so each split of the root gets the same one

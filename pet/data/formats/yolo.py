@@ -158,8 +158,10 @@ def _read_label_file(
         try:
             values = np.array([float(v) for v in fields], dtype=np.float64)
         except ValueError:
+            values = None
+        if values is None or not np.isfinite(values).all():  # 'nan' and 'inf' parse as floats
             raise DataError(f"{where}: '{line.strip()[:80]}' is not numbers; a YOLO label line is "
-                            "'class cx cy w h' (or 'class x1 y1 x2 y2 ...' for a polygon).") from None
+                            "'class cx cy w h' (or 'class x1 y1 x2 y2 ...' for a polygon).")
         if kpt_shape is not None and len(values) not in (5, box_values):  # not a polygon: a pose set has none
             raise DataError(f"{where}: {len(values)} values; with kpt_shape {kpt_shape} in the data.yaml a label line "
                             f"is 'class cx cy w h' and {box_values - 5} keypoint values ({box_values} in all). Fix "
