@@ -383,15 +383,17 @@ def _write(path, content) -> None:
 # --------------------------------------------------------------------------- image sizes
 
 
-@pytest.mark.parametrize("extension", ["jpg", "png", "webp"])
+@pytest.mark.parametrize("extension", ["jpg", "png", "webp", "tif"])
 def test_image_sizes_come_out_as_opencv_decodes_an_exif_rotated_image(tmp_path, extension):
+    """A TIFF carries the orientation among its own tags, and recent Pillows report its size already turned."""
     from PIL import Image
 
     pixels = np.zeros((20, 40, 3), np.uint8)  # stored 40 wide, 20 high; EXIF 6 says: turn a quarter
     exif = Image.Exif()
     exif[0x0112] = 6
     path = tmp_path / f"rotated.{extension}"
-    Image.fromarray(pixels).save(path, exif=exif.tobytes())
+    Image.fromarray(pixels).save(path, **({"tiffinfo": {0x0112: 6}} if extension == "tif" else
+                                          {"exif": exif.tobytes()}))
     decoded = cv2.imdecode(np.fromfile(path, np.uint8), cv2.IMREAD_COLOR)
     assert decoded.shape[:2] == (40, 20)  # opencv applies the orientation
     assert image_size(str(path), "here") == (20, 40)

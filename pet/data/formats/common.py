@@ -77,15 +77,15 @@ def check_class_names(classes: Iterable[Any], where: str) -> list[str]:
 def image_size(path: str, where: str) -> tuple[int, int]:
     """(width, height) of an image as opencv decodes it, from the file header only (no pixel decoding).
 
-    opencv applies the EXIF orientation (JPEG, PNG, WebP): a quarter turn (orientations 5-8)
-    swaps width and height, so the header's size is swapped too. ``where`` names the label that
-    refers to the image, for the error when it is missing or not an image.
+    opencv applies the EXIF orientation (JPEG, PNG, WebP, TIFF): a quarter turn (orientations 5-8)
+    swaps width and height, so the size the file stores is swapped too. ``where`` names the label
+    that refers to the image, for the error when it is missing or not an image.
     """
     from PIL import Image, UnidentifiedImageError  # torchvision's dependency; only needed for sets without sizes
 
     try:
         with Image.open(path) as im:
-            width, height = im.size
+            width, height = _stored_size(im)
             orientation = _exif_orientation(im)
     except FileNotFoundError as exc:
         raise DataError(f"{where}: image {path} does not exist. Check the dataset's image paths.") from exc
@@ -94,6 +94,19 @@ def image_size(path: str, where: str) -> tuple[int, int]:
     if orientation in _TRANSPOSED_ORIENTATIONS:
         return height, width
     return width, height
+
+
+def _stored_size(im: Any) -> tuple[int, int]:
+    """(width, height) as the file stores the pixels, before any orientation.
+
+    Pillow reports that size for every format but TIFF, whose size recent Pillows (13 here) already
+    report turned by the orientation tag and older ones, which setup.py admits, do not; the TIFF's
+    own ImageWidth and ImageLength tags (256, 257) are the stored size on every version.
+    """
+    tags = getattr(im, "tag_v2", None)
+    if tags and 256 in tags and 257 in tags:
+        return int(tags[256]), int(tags[257])
+    return im.size
 
 
 def _exif_orientation(im: Any) -> int:
