@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from helpers import CFGS, ROOT, custom_datasets, run_tool
+from helpers import CFGS, ROOT, custom_datasets, run_tool, run_tool_here
 from torchvision.ops import FrozenBatchNorm2d
 
 from pet.config import load_cfg
@@ -275,6 +275,45 @@ def test_the_gate_rejects_a_perturbed_graph_with_one_line_and_a_non_zero_exit(ex
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"Error: {perturbed} disagrees with the PyTorch model")
     assert "largest differences" in lines[0] and "Parity gate passed" not in run.stdout
+
+
+def _tiny_faster_rcnn(tmp_path, shapes_root: str) -> tuple[str, list[str], str]:
+    """The tiny Faster R-CNN's config file, opts (the shapes val set as its test set) and random weights file."""
+    spec = ARCHS["faster_rcnn"]
+    cfg_file, weights = os.path.join(CFGS, "shapes", spec.config), str(tmp_path / "faster_rcnn.pth")
+    data = ["DATA.CUSTOM", custom_datasets(("export_val", f"{shapes_root}/annotations/val.json", f"{shapes_root}/val")),
+            "TEST.DATASETS", "('export_val',)", "CKPT", str(tmp_path / "ckpt")]
+    return cfg_file, tiny_model("faster_rcnn", cfg_file, [*spec.opts, *data], weights), weights
+
+
+def test_an_export_failing_its_gate_leaves_the_previous_file_and_nothing_else(monkeypatch, capsys, tmp_path,
+                                                                             shapes_root):
+    """The export is staged beside --output and renamed over it only after the gate: onnxruntime's boxes moved by
+    1% of the image fail it, and the folder then holds the previous export, unchanged, and no staged file."""
+    cfg_file, opts, weights = _tiny_faster_rcnn(tmp_path, shapes_root)
+    output = tmp_path / "out" / "model.onnx"
+    output.parent.mkdir()
+    output.write_bytes(b"the previous, good export")
+    network_detections = OnnxRuntimeModel.network_detections
+
+    def shifted(self, images, targets):
+        detections = network_detections(self, images, targets)
+        return [{**d, "boxes": d["boxes"] + 0.01 * max(size)} for d, size in zip(detections, image_sizes(targets))]
+
+    monkeypatch.setattr(OnnxRuntimeModel, "network_detections", shifted)
+    status, stderr = run_tool_here(monkeypatch, capsys, "export.py", "--cfg", cfg_file, "--weights", weights,
+                                   "--output", output, *opts)
+    assert status == 2
+    assert stderr.startswith(f"Error: {output} disagrees with the PyTorch model")
+    assert "It was not written" in stderr and "unchanged" in stderr
+    assert os.listdir(output.parent) == ["model.onnx"] and output.read_bytes() == b"the previous, good export"
+
+
+def test_an_output_that_is_a_folder_is_refused_before_the_model_is_built(monkeypatch, capsys, tmp_path):
+    status, stderr = run_tool_here(monkeypatch, capsys, "export.py", "--cfg", os.path.join(CFGS, "shapes", ARCHS[
+        "faster_rcnn"].config), "--output", tmp_path, "CKPT", tmp_path / "nothing")
+    assert status == 2 and stderr.strip() == (f"Error: --output {tmp_path} is a directory; name the ONNX file to "
+                                              f"write, e.g. {tmp_path / 'model.onnx'}.")
 
 
 def test_test_net_evaluates_the_export_through_the_same_loop_evaluator_and_timers(exports, tmp_path):

@@ -6,7 +6,9 @@ Writes an ONNX graph with a dynamic batch, height and width and the whole post-p
 the ONNX model in onnxruntime detect on the first test images at several sizes and a blank image, and
 must agree within the tolerances it prints (boxes within 1e-3 of the image size, scores within 1e-4,
 labels equal, mask IoU >= 0.99). Success is reported only then; a disagreement is one line and exit
-status 2. ``--check-only`` runs the gate on an existing ``--output`` file. Weights: --weights, else
+status 2, and nothing is left at the output path (the export is written beside it under a temporary name and
+renamed over it only once the gate passes, so a previous good export stays). ``--check-only`` runs the gate on an
+existing ``--output`` file. Weights: --weights, else
 TEST.WEIGHTS, else CKPT/model_final.pth. Default output: CKPT/model.onnx.
 
 ``--int8`` then quantizes the (checked) export to int8 beside it (CKPT/model.int8.onnx), calibrated on --calib
@@ -31,13 +33,25 @@ from pet.deploy.backend import int8_path  # noqa: E402
 from pet.deploy.int8 import default_image_counts, int8_image_sets, quantize_with_gate  # noqa: E402
 from pet.deploy.onnx import export_onnx  # noqa: E402
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel  # noqa: E402
-from pet.deploy.parity import check_parity, parity_batches  # noqa: E402
+from pet.deploy.parity import ParityError, check_parity, parity_batches  # noqa: E402
 from pet.modeling import build_model  # noqa: E402
 from pet.predict.labels import ONNX_METADATA_KEY, label_space_from_checkpoint, model_label_space  # noqa: E402
+from pet.utils.errors import ConfigError  # noqa: E402
+from pet.utils.files import atomic_path  # noqa: E402
 from pet.utils.logger import setup_logger  # noqa: E402
 from pet.utils.weights import load_checkpoint, load_weights  # noqa: E402
 
 logger = logging.getLogger("pet.tools.export")
+
+
+def check_output(output: str, check_only: bool) -> None:
+    """``--output`` checked before the minutes of building and exporting: a file path (an existing one to check)."""
+    if os.path.isdir(output):
+        raise ConfigError(f"--output {output} is a directory; name the ONNX file to write, e.g. "
+                          f"{os.path.join(output, 'model.onnx')}.")
+    if check_only and not os.path.isfile(output):
+        raise ConfigError(f"--check-only checks an existing export, and {output} does not exist: give its path with "
+                          "--output, or leave out --check-only to export.")
 
 
 def main() -> None:
@@ -64,6 +78,7 @@ def main() -> None:
     setup_logger()  # terminal only: an export leaves the run's log.txt alone
     cfg = load_cfg(args.cfg_file, args.opts)
     output = args.output or os.path.join(cfg.CKPT, "model.onnx")
+    check_output(output, args.check_only)
 
     # The int8 step's images are checked before the export, which takes minutes.
     sets = int8_image_sets(cfg, *default_image_counts(cfg, args.calib), args.gate_images) if args.int8 else None
@@ -73,17 +88,27 @@ def main() -> None:
                  allow_random=cfg.TEST.ALLOW_RANDOM_WEIGHTS)
     model.eval()
     batches = parity_batches(cfg)
-    if not args.check_only:
-        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    if args.check_only:
+        report = check_parity(model, OnnxRuntimeModel(output), batches)
+    else:
         start = time.perf_counter()
         # The class names travel with the model (tools/predict.py reads them back).
         recorded = label_space_from_checkpoint(load_checkpoint(weights, unsafe=args.unsafe_load))
         label_space = model_label_space(cfg, recorded, weights)
-        with torch.no_grad():
-            export_onnx(model, batches[0], output, {ONNX_METADATA_KEY: json.dumps(label_space.to_list())})
-        logger.info(f"Exported {type(model).__name__} to {output} ({os.path.getsize(output) / 2**20:.1f} MB) "
-                    f"in {time.perf_counter() - start:.0f} s")
-    report = check_parity(model, OnnxRuntimeModel(output), batches)
+        # Staged beside the output and renamed over it only once the gate passes: a failed export leaves no file
+        # (and a previous good one in place).
+        with atomic_path(output) as staged:
+            with torch.no_grad():
+                export_onnx(model, batches[0], staged, {ONNX_METADATA_KEY: json.dumps(label_space.to_list())})
+            logger.info(f"Exported {type(model).__name__} to {output} ({os.path.getsize(staged) / 2**20:.1f} MB) "
+                        f"in {time.perf_counter() - start:.0f} s")
+            staged_model = OnnxRuntimeModel(staged)
+            staged_model.path = output  # the gate's messages name the file the user asked for
+            try:
+                report = check_parity(model, staged_model, batches)
+            except ParityError as exc:
+                kept = " (the previous file there is unchanged)" if os.path.exists(output) else ""
+                raise ParityError(f"{exc} It was not written to {output}{kept}.") from exc
     logger.info(f"Parity gate passed: {report.summary()}")
     logger.info(f"{output} gives the PyTorch model's detections; evaluate it with tools/test_net.py --cfg "
                 f"{args.cfg_file} --backend onnxruntime --model {output}")
