@@ -25,6 +25,7 @@ from torchvision.ops import FrozenBatchNorm2d
 
 from pet.config import load_cfg
 from pet.data import DatasetMapper, collate_batch, read_image
+from pet.deploy.backend import WEIGHTS_SHA256_KEY
 from pet.deploy.onnx import ExportError, export_onnx, to_onnx
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel
 from pet.deploy.parity import ParityError, check_parity, parity_batches
@@ -32,6 +33,7 @@ from pet.modeling import build_model
 from pet.modeling.preprocess import image_sizes
 from pet.modeling.registry import ROI_BOX_HEAD_REGISTRY
 from pet.modeling.roi_heads import TwoMLPHead
+from pet.utils.files import file_sha256
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,8 @@ def test_tools_export_writes_a_graph_with_dynamic_batch_and_size_and_its_parity_
         images = onnx.load(export.onnx_file).graph.input[0]
         dims = images.type.tensor_type.shape.dim
         assert [bool(dims[i].dim_param) for i in range(4)] == [True, False, True, True], arch
+        metadata = {p.key: p.value for p in onnx.load(export.onnx_file).metadata_props}
+        assert metadata[WEIGHTS_SHA256_KEY] == file_sha256(export.weights), arch  # --backend auto matches on it
 
 
 def _val_batch(cfg, shapes_root: str, indices: list[int], scale: float = 1.0):

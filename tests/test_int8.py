@@ -28,11 +28,12 @@ from test_export import finish, randomize_norms, rescale_output, start_export
 
 from pet.config import load_cfg
 from pet.data import DatasetMapper, collate_batch, read_image
-from pet.deploy.backend import choose_backend, exported_models, int8_path
+from pet.deploy.backend import WEIGHTS_SHA256_KEY, choose_backend, exported_models, int8_path
 from pet.deploy.int8 import int8_image_sets
 from pet.modeling import build_model
 from pet.utils import cpu as cpu_module
 from pet.utils.errors import DataError
+from pet.utils.files import file_sha256
 
 CFG = os.path.join(CFGS, "shapes", "faster_rcnn_R-18-FPN.yaml")
 TINY = ["MODEL.FPN.RETURNED_LAYERS", "[2, 3]", "MODEL.RPN.ANCHOR_SIZES", "[[32], [64], [128]]",
@@ -225,12 +226,34 @@ def test_auto_chooses_by_the_cpu_class_as_the_benchmark_table_says(monkeypatch, 
         assert "int8 passed over because this CPU has no AVX512_VNNI, AVX_VNNI or AMX_INT8" in choice.reason
 
 
-def test_exports_older_than_the_weights_are_not_offered(tmp_path):
+def _export_recording(path, sha256: str | None) -> None:
+    """A minimal ONNX file (one Identity node) holding what tools/export.py records of its weights, if anything."""
+    io = [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [1]) for name in ("x", "y")]
+    model = onnx.helper.make_model(onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])], "g",
+                                                          io[:1], io[1:]))
+    if sha256 is not None:
+        model.metadata_props.add(key=WEIGHTS_SHA256_KEY, value=sha256)
+    onnx.save(model, str(path))
+
+
+def test_only_exports_of_the_weights_evaluated_are_offered_and_the_others_say_why(tmp_path):
+    """An export of model_iter2.pth is not the final weights' even when written after them; one without the record
+    (older than it) is not offered either. The choice's reason names both."""
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    for name in ("model.onnx", "model.int8.onnx", "model_final.pth"):
-        (ckpt / name).write_bytes(b"")
-    cfg = load_cfg(CFG, ["CKPT", str(ckpt)])
-    os.utime(ckpt / "model.onnx", (1e9, 1e9))  # exported before the weights were written
-    assert exported_models(cfg) == {"int8": str(ckpt / "model.int8.onnx")}
+    (ckpt / "model_iter2.pth").write_bytes(b"iteration 2")
+    (ckpt / "model_final.pth").write_bytes(b"iteration 4")
+    _export_recording(ckpt / "model.onnx", file_sha256(str(ckpt / "model_iter2.pth")))
+    _export_recording(ckpt / "model.int8.onnx", None)
+    cfg = load_cfg(CFG, ["CKPT", str(ckpt), "DEVICE", "cpu", "TEST.AMP.ENABLED", "False"])
+    passed_over: list[str] = []
+    assert exported_models(cfg, passed_over) == {}
+    choice = choose_backend(cfg, {}, passed_over)
+    assert (choice.backend, choice.precision) == ("pytorch", "float32")
+    assert f"{ckpt / 'model.onnx'} passed over: it was exported from other weights than {ckpt / 'model_final.pth'}" \
+           in choice.reason
+    assert f"{ckpt / 'model.int8.onnx'} passed over: it does not record the weights it was exported" in choice.reason
+    iter2 = ["TEST.WEIGHTS", str(ckpt / "model_iter2.pth")]
+    assert exported_models(load_cfg(CFG, ["CKPT", str(ckpt), *iter2])) == {"float32": str(ckpt / "model.onnx")}
     assert exported_models(load_cfg(CFG, ["CKPT", str(tmp_path / "nothing")])) == {}
+

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from pet.cli import launch_cli  # noqa: E402
 from pet.config import load_cfg  # noqa: E402
-from pet.deploy.backend import int8_path  # noqa: E402
+from pet.deploy.backend import WEIGHTS_SHA256_KEY, int8_path  # noqa: E402
 from pet.deploy.int8 import default_image_counts, int8_image_sets, quantize_with_gate  # noqa: E402
 from pet.deploy.onnx import export_onnx  # noqa: E402
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel  # noqa: E402
@@ -37,7 +37,7 @@ from pet.deploy.parity import ParityError, check_parity, parity_batches  # noqa:
 from pet.modeling import build_model  # noqa: E402
 from pet.predict.labels import ONNX_METADATA_KEY, label_space_from_checkpoint, model_label_space  # noqa: E402
 from pet.utils.errors import ConfigError  # noqa: E402
-from pet.utils.files import atomic_path  # noqa: E402
+from pet.utils.files import atomic_path, file_sha256  # noqa: E402
 from pet.utils.logger import setup_logger  # noqa: E402
 from pet.utils.weights import load_checkpoint, load_weights  # noqa: E402
 
@@ -92,14 +92,16 @@ def main() -> None:
         report = check_parity(model, OnnxRuntimeModel(output), batches)
     else:
         start = time.perf_counter()
-        # The class names travel with the model (tools/predict.py reads them back).
+        # The class names travel with the model (tools/predict.py reads them back), and which weights it holds
+        # (--backend auto offers it only for them).
         recorded = label_space_from_checkpoint(load_checkpoint(weights, unsafe=args.unsafe_load))
-        label_space = model_label_space(cfg, recorded, weights)
+        metadata = {ONNX_METADATA_KEY: json.dumps(model_label_space(cfg, recorded, weights).to_list()),
+                    WEIGHTS_SHA256_KEY: file_sha256(weights)}
         # Staged beside the output and renamed over it only once the gate passes: a failed export leaves no file
         # (and a previous good one in place).
         with atomic_path(output) as staged:
             with torch.no_grad():
-                export_onnx(model, batches[0], staged, {ONNX_METADATA_KEY: json.dumps(label_space.to_list())})
+                export_onnx(model, batches[0], staged, metadata)
             logger.info(f"Exported {type(model).__name__} to {output} ({os.path.getsize(staged) / 2**20:.1f} MB) "
                         f"in {time.perf_counter() - start:.0f} s")
             staged_model = OnnxRuntimeModel(staged)

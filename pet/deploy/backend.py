@@ -14,16 +14,18 @@ AVX-512 BF16 + VNNI machine there, from fastest:
 3. onnxruntime float32 (``CKPT/model.onnx``, tools/export.py): 0.5-0.8x PyTorch float32's time;
 4. PyTorch float32.
 
-An export older than the weights it should hold (``TEST.WEIGHTS``, else ``CKPT/model_final.pth``) is passed over:
-it was made from other weights. An export computes with the thresholds and sizes it was exported with, whatever
-the config says now. This module imports neither onnx nor onnxruntime (it only asks whether onnxruntime is
-installed), so tools can call it before deciding what to load.
+An export is offered only if it was made from the weights being evaluated (``TEST.WEIGHTS``, else
+``CKPT/model_final.pth``): tools/export.py records their sha256 in the file's metadata (``pet.weights_sha256``),
+and an export of other weights, or one without the record (older than it), is passed over and the reason logged.
+An export computes with the thresholds and sizes it was exported with, whatever the config says now. This module
+imports onnxruntime nowhere and onnx only to read an existing export's metadata, so tools can call it before
+deciding what to load.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from fvcore.common.config import CfgNode
@@ -33,8 +35,12 @@ from pet.engine.models import resolve_device
 from pet.engine.precision import choose_precision
 from pet.utils.cpu import cpu_int8_support
 from pet.utils.errors import ConfigError
+from pet.utils.files import file_sha256
 
-__all__ = ["BackendChoice", "choose_backend", "exported_models", "int8_path", "resolve_backend"]
+__all__ = ["BackendChoice", "WEIGHTS_SHA256_KEY", "choose_backend", "exported_models", "int8_path", "resolve_backend"]
+
+# The metadata key under which tools/export.py records the sha256 of the weights file it exported.
+WEIGHTS_SHA256_KEY = "pet.weights_sha256"
 
 
 @dataclass(frozen=True)
@@ -59,22 +65,53 @@ def int8_path(onnx_path: str) -> str:
     return f"{root}.int8{ext or '.onnx'}"
 
 
-def exported_models(cfg: CfgNode) -> dict[str, str]:
+def exported_models(cfg: CfgNode, passed_over: list[str] | None = None) -> dict[str, str]:
     """The exports of this config's weights that exist: ``{"float32": CKPT/model.onnx, "int8": CKPT/model.int8.onnx}``
-    (the names tools/export.py writes by default), leaving out any older than the weights file."""
+    (the names tools/export.py writes by default), leaving out any whose recorded weights are not the weights
+    file's (sha256); why each was left out is appended to ``passed_over``."""
     weights = cfg.TEST.WEIGHTS or os.path.join(cfg.CKPT, "model_final.pth")
-    weights_time = os.path.getmtime(weights) if os.path.isfile(weights) else None
     float_path = os.path.join(cfg.CKPT, "model.onnx")
-    found = {}
-    for precision, path in (("float32", float_path), ("int8", int8_path(float_path))):
-        if os.path.isfile(path) and (weights_time is None or os.path.getmtime(path) >= weights_time):
-            found[precision] = path
+    paths = {"float32": float_path, "int8": int8_path(float_path)}
+    exports = {precision: path for precision, path in paths.items() if os.path.isfile(path)}
+    found, skipped = {}, []
+    if exports and not os.path.isfile(weights):
+        skipped.append(f"{' and '.join(exports.values())} passed over: the weights {weights} are not there to check "
+                       "that they were exported from them")
+    elif exports and importlib.util.find_spec("onnx") is None:
+        skipped.append(f"{' and '.join(exports.values())} passed over: onnx is not installed to read which weights "
+                       "they hold (pip install -e \".[export]\")")
+    elif exports:
+        sha = file_sha256(weights)
+        for precision, path in exports.items():
+            recorded = _metadata(path).get(WEIGHTS_SHA256_KEY)
+            if recorded == sha:
+                found[precision] = path
+            elif recorded is None:
+                skipped.append(f"{path} passed over: it does not record the weights it was exported from (an "
+                               f"export older than that record); export {weights} again with tools/export.py")
+            else:
+                skipped.append(f"{path} passed over: it was exported from other weights than {weights} (sha256 "
+                               f"{recorded[:12]}, not {sha[:12]}); export them with tools/export.py")
+    if passed_over is not None:
+        passed_over.extend(skipped)
     return found
 
 
-def choose_backend(cfg: CfgNode, available: Mapping[str, str]) -> BackendChoice:
+def _metadata(path: str) -> dict[str, str]:
+    """The metadata_props of the ONNX file ``path`` ({} for a file onnx cannot read)."""
+    import onnx  # an optional extra ("export"): only a CKPT that holds exports needs it
+
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except Exception:  # noqa: BLE001 - protobuf raises its own types for a damaged file; it is then not offered
+        return {}
+    return {prop.key: prop.value for prop in model.metadata_props}
+
+
+def choose_backend(cfg: CfgNode, available: Mapping[str, str], passed_over: Sequence[str] = ()) -> BackendChoice:
     """The fastest backend for this CPU among PyTorch and the ONNX files in ``available`` (``{"float32": path,
-    "int8": path}``, e.g. :func:`exported_models`), by the ranking in the module docstring."""
+    "int8": path}``, e.g. :func:`exported_models`), by the ranking in the module docstring. ``passed_over``: why
+    exports were left out of ``available``, which the reason then starts with."""
     device = resolve_device(cfg.DEVICE)
     pytorch = choose_precision(cfg.TEST.AMP.ENABLED, cfg.TEST.AMP.DTYPE, device, training=False, key="TEST.AMP")
     if device.type != "cpu":
@@ -82,7 +119,7 @@ def choose_backend(cfg: CfgNode, available: Mapping[str, str]) -> BackendChoice:
                                                           "run on the CPU")
     onnxruntime = importlib.util.find_spec("onnxruntime") is not None
     int8 = cpu_int8_support()
-    skipped = []
+    skipped = list(passed_over)
     if "int8" in available:
         if not onnxruntime:
             skipped.append("onnxruntime is not installed (pip install -e \".[export]\")")
@@ -114,4 +151,5 @@ def resolve_backend(cfg_file: str, opts: list[str], backend: str, model: str) ->
     if backend != "auto":
         return None
     cfg = load_cfg(cfg_file, opts)
-    return choose_backend(cfg, exported_models(cfg))
+    passed_over: list[str] = []
+    return choose_backend(cfg, exported_models(cfg, passed_over), passed_over)

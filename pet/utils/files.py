@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import re
@@ -31,6 +32,7 @@ __all__ = [
     "write_bytes_atomic",
     "write_json_atomic",
     "write_failure_remedy",
+    "file_sha256",
 ]
 
 # Exactly the names temporary_path() makes without keep_extension; "notes.tmp" or "x.tmp.json" never match.
@@ -109,6 +111,15 @@ def write_failure_remedy(exc: OSError, directory: str) -> str:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"free space on the disk holding {directory}"
     return f"check that {directory} is writable and has free space"
+
+
+def file_sha256(path: str) -> str:
+    """The hex sha256 of the file ``path``, read in 1 MiB blocks (weights files run to hundreds of MB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _remove(path: str) -> None:
