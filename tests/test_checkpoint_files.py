@@ -217,6 +217,20 @@ def test_resume_ignores_and_removes_leftover_temporary_files_but_not_user_files(
     assert regular_iters(ckpt) == [2, 4, 6]
 
 
+def test_rerunning_a_finished_training_leaves_no_temporary_file(make_cfg):
+    """The rerun links model_final.pth again to the same checkpoint: renaming a hard link onto the file it already
+    names does nothing, and the staged link must not stay behind (the next run would take it for a killed write)."""
+    cfg = make_cfg("TRAIN.SAVE_AS_JSON", False, "SOLVER.MAX_ITER", 4, "HOOKS.CHECKPOINT.PERIOD", 2)
+    toy_trainer(cfg).train()
+    rerun = toy_trainer(cfg)
+    rerun.resume_or_load(resume=True)
+    rerun.train()
+    assert rerun.start_iter == 4
+    assert sorted(n for n in os.listdir(cfg.CKPT) if n.endswith(".pth") or ".tmp" in n) == [
+        "model_final.pth", "model_iter2.pth", "model_iter4.pth"]
+    assert os.path.samefile(os.path.join(cfg.CKPT, "model_final.pth"), os.path.join(cfg.CKPT, "model_iter4.pth"))
+
+
 def test_only_the_main_process_removes_leftover_temporary_files(make_cfg, monkeypatch):
     toy_trainer(make_cfg("TRAIN.SAVE_AS_JSON", False, "SOLVER.MAX_ITER", 2, "HOOKS.CHECKPOINT.PERIOD", 2)).train()
     ckpt = make_cfg().CKPT

@@ -71,6 +71,8 @@ def atomic_path(path: str, *, keep_extension: bool = False) -> Iterator[str]:
             os.rename(tmp, path)
         else:
             os.replace(tmp, path)
+            if os.path.lexists(tmp):  # a hard link renamed onto the file it already names: rename() does nothing
+                os.remove(tmp)
     except BaseException:
         with contextlib.suppress(OSError):
             _remove(tmp)
