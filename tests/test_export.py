@@ -408,3 +408,21 @@ def test_predict_runs_the_export_with_the_class_names_it_records(exports, shapes
                          and abs(ours.scores[j] - ref.scores[i]) <= 1e-4
                          and np.abs(ours.boxes[j] - ref.boxes[i]).max() <= tolerance)
             free.remove(match)
+
+
+def test_predict_says_once_that_an_export_cannot_go_below_its_own_score_threshold(exports, shapes_root, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """tools/export.py records the threshold the graph computes with; --score-thresh below it is one warning naming
+    the export and how to export again, not the PyTorch path's 'lowering that too' (which an export cannot do)."""
+    export = exports["faster_rcnn"]
+    exported = float({p.key: p.value for p in onnx.load(export.onnx_file).metadata_props}["pet.score_thresh"])
+    assert f"{ARCHS['faster_rcnn'].score_key} {exported:.6f}" in " ".join(export.opts)
+    status, stderr = run_tool_here(monkeypatch, capsys, "predict.py", "--cfg", export.cfg_file, "--input",
+                                   f"{shapes_root}/val", "--output", tmp_path / "predict", "--save", "csv",
+                                   "--backend", "onnxruntime", "--model", export.onnx_file,
+                                   "--score-thresh", exported / 2, *export.opts)
+    assert status == 0, stderr[-2000:]
+    log = (tmp_path / "predict" / "log.txt").read_text()
+    warnings = [line for line in log.splitlines() if "cannot go below the export's own threshold" in line]
+    assert len(warnings) == 1 and f"{export.onnx_file} was exported with score threshold {exported}" in warnings[0]
+    assert f"tools/export.py --cfg {export.cfg_file}" in warnings[0] and "lowering" not in log

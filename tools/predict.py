@@ -24,6 +24,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: E402
 
 from pet.cli import default_argument_parser, default_setup, launch_cli  # noqa: E402
 from pet.deploy.backend import resolve_backend  # noqa: E402
+from pet.deploy.onnxruntime_model import OnnxRuntimeModel  # noqa: E402
 from pet.predict import PREDICT_DEFAULTS, PredictionWriter, Predictor, PredictStats, Source  # noqa: E402
 from pet.predict.writers import check_writable, parse_formats  # noqa: E402
 from pet.utils.errors import DataError  # noqa: E402
@@ -31,7 +32,7 @@ from pet.utils.logger import setup_logger  # noqa: E402
 
 logger = logging.getLogger("pet.tools.predict")
 
-# Where each built-in detector keeps its test score threshold (--score-thresh below it lowers it).
+# Where each built-in detector keeps its test score threshold (--score-thresh below it lowers it, for PyTorch).
 _SCORE_KEYS = {"FasterRCNN": "ROI_HEADS", "MaskRCNN": "ROI_HEADS", "RetinaNet": "RETINANET", "FCOS": "FCOS"}
 
 
@@ -86,6 +87,23 @@ def lower_score_threshold(cfg, threshold: float | None) -> None:
     cfg.freeze()
 
 
+def check_export_threshold(cfg, cfg_file: str, model: OnnxRuntimeModel, threshold: float | None) -> None:
+    """Warn when ``threshold`` is below the score threshold the export ``model`` computes with: the graph drops
+    lower-scoring detections itself, and only exporting again lowers it."""
+    node = _SCORE_KEYS.get(cfg.MODEL.META_ARCHITECTURE)
+    exported = model.score_thresh
+    if exported is None and node:  # an export older than the record: most likely the config's threshold
+        exported = cfg.MODEL[node].SCORE_THRESH_TEST
+    if threshold is None or exported is None or threshold >= exported:
+        return
+    recorded = (f"with score threshold {exported}" if model.score_thresh is not None
+                else f"without recording its score threshold (probably the config's {exported})")
+    key = f"MODEL.{node}.SCORE_THRESH_TEST" if node else "the model's test score threshold key"
+    logger.warning(f"--score-thresh {threshold} cannot go below the export's own threshold: {model.path} was "
+                   f"exported {recorded} and drops lower-scoring detections itself. For them, export again: "
+                   f"python tools/export.py --cfg {cfg_file} --output FILE {key} {threshold}, then --model FILE.")
+
+
 def summarize(stats: PredictStats, output: str, formats: list[str]) -> None:
     """The closing summary: pictures, detections, time per picture by stage (as test_net prints it)."""
     if stats.pictures == 0:
@@ -118,13 +136,16 @@ def main() -> None:
     check_writable(output)
     setup_logger(output)
     source = Source(args.input, exclude=output)
-    lower_score_threshold(cfg, args.score_thresh)
+    if backend != "onnxruntime":  # an export computes with the threshold it was exported with
+        lower_score_threshold(cfg, args.score_thresh)
 
     if choice:
         logger.info(f"--backend auto: {choice}")
     predictor = Predictor(cfg, model_file or None, backend=backend, score_thresh=args.score_thresh,
                           max_det=args.max_det, tile=args.tile, tile_overlap=args.tile_overlap,
                           tile_whole_image=args.tile_whole_image, unsafe_load=args.unsafe_load)
+    if backend == "onnxruntime":
+        check_export_threshold(cfg, args.cfg_file, predictor.model, args.score_thresh)
     writer = PredictionWriter(output, formats, predictor.label_space, source, vis_thresh=args.vis_thresh,
                               ann=args.ann or None, vid_stride=args.vid_stride)
     total = source.num_pictures(args.vid_stride)

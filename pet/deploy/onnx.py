@@ -53,8 +53,9 @@ def export_onnx(model: torch.nn.Module, example: Batch, path: str, metadata: Map
 
     ``example`` is a batch as the test loader gives it (``(images, targets)``); its values do not matter, but
     every feature map of its images must be larger than 1x1 (the smallest size the graph then takes is
-    recorded in the file's metadata as ``pet.min_image_size``); ``metadata`` adds the caller's entries (tools/export.py
-    records the label space). The file is checked with ``onnx.checker``.
+    recorded in the file's metadata as ``pet.min_image_size``, beside the score threshold and detections per
+    image it computes with, ``pet.score_thresh`` and ``pet.detections_per_img``); ``metadata`` adds the caller's
+    entries (tools/export.py records the label space). The file is checked with ``onnx.checker``.
     An operation the exporter cannot handle is an :class:`ExportError` naming it and the module that calls it.
     """
     images, targets = example
@@ -69,9 +70,13 @@ def export_onnx(model: torch.nn.Module, example: Batch, path: str, metadata: Map
     width = torch.export.Dim("width", min=min_size, max=MAX_IMAGE_SIZE)
     dynamic = {"images": {0: batch, 2: height, 3: width}, "image_sizes": {0: batch}}
     onnx_program = to_onnx(graph, args, dynamic, INPUT_NAMES, graph.output_names)
+    heads = getattr(model, "roi_heads", model)  # where the built-in detectors keep their test thresholds
     onnx_program.model.metadata_props.update({
         "pet.architecture": type(model).__name__,
         "pet.min_image_size": str(min_size),
+        # The graph computes with them whatever a later config says (tools/predict.py warns about a lower threshold).
+        "pet.score_thresh": str(getattr(heads, "score_thresh", "")),
+        "pet.detections_per_img": str(getattr(heads, "detections_per_img", "")),
         "pet.boxes": "network input pixels; map them with pet.modeling.postprocess.detections_to_original",
         **(metadata or {}),
     })

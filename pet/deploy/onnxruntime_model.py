@@ -45,7 +45,10 @@ class OnnxRuntimeModel(torch.nn.Module):
             raise PetError(f"Cannot load the ONNX model {path}: {exc}") from exc
         self.path = path
         self.output_names = [output.name for output in self.session.get_outputs()]
-        self.min_image_size = int(self.session.get_modelmeta().custom_metadata_map.get("pet.min_image_size", 1))
+        metadata = self.session.get_modelmeta().custom_metadata_map
+        self.min_image_size = int(metadata.get("pet.min_image_size", 1))
+        # The score threshold the graph computes with (None where an older export does not record it).
+        self.score_thresh = float(metadata["pet.score_thresh"]) if metadata.get("pet.score_thresh") else None
         self.eval()
 
     def forward(self, images: Tensor, targets: list[dict[str, Any]]) -> list[dict[str, Tensor]]:
