@@ -276,6 +276,22 @@ def test_checkpoints_load_weights_only_unless_asked(tmp_path, load):
     assert marker.is_dir()
 
 
+@pytest.mark.parametrize("start", [
+    b"<!DOCTYPE html>\n<html><head><title>Sign in</title></head></html>\n",  # a download that got a login page
+    b"version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 1024\n",  # a clone without git-lfs
+    bytes(range(17, 117)),  # bytes that are no pickle (opcode 17 first)
+], ids=["html", "git-lfs", "random"])
+def test_a_file_that_is_no_pytorch_file_is_called_that_not_refused_as_unsafe(tmp_path, start):
+    path = tmp_path / "model_final.pth"
+    path.write_bytes(start)
+    with pytest.raises(ConfigError) as error:
+        load_checkpoint(str(path))
+    message = str(error.value)
+    assert message.startswith(f"Cannot load {path}: UnpicklingError: Unsupported operand {start[0]}")
+    assert f"(not a PyTorch file, or a truncated one: it starts with {start[:24]!r}" in message
+    assert "--unsafe-load" not in message and "Weights only" not in message
+
+
 def test_resuming_from_a_checkpoint_that_would_run_code_is_one_line_and_runs_nothing(tmp_path):
     ckpt, marker = tmp_path / "run", tmp_path / "code_ran"
     ckpt.mkdir()

@@ -52,13 +52,13 @@ def load_checkpoint(path: str, *, unsafe: bool = False) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=not unsafe)
     except pickle.UnpicklingError as exc:
-        # torch's weights-only refusal is many lines; "... GLOBAL module.name ..." in it names the culprit.
+        # torch's weights-only refusal is many lines; "... GLOBAL module.name ..." in it names the culprit. Without
+        # one, the bytes were no pickle it reads at all (an HTML page, a git-lfs pointer): not a matter of trust.
         culprit = re.search(r"GLOBAL ([\w.]+)", str(exc))
-        if not unsafe and ("Weights only load failed" in str(exc) or "WeightsUnpickler" in str(exc)):
+        if culprit and not unsafe:
             raise ConfigError(
-                f"Refusing to load {path}: it holds pickled objects other than tensors"
-                f"{f' (global {culprit.group(1)})' if culprit else ''}, and loading those can run arbitrary "
-                "code. If you trust its source, load it with --unsafe-load."
+                f"Refusing to load {path}: it holds pickled objects other than tensors (global {culprit.group(1)}), "
+                "and loading those can run arbitrary code. If you trust its source, load it with --unsafe-load."
             ) from exc
         raise _unreadable(path, exc) from exc
     except Exception as exc:  # noqa: BLE001 - torch raises many types for unreadable files
@@ -66,9 +66,15 @@ def load_checkpoint(path: str, *, unsafe: bool = False) -> Any:
 
 
 def _unreadable(path: str, exc: BaseException) -> ConfigError:
+    """The file is not one torch reads; its first bytes often say what it is (``<!DOCTYPE html>``, a git-lfs
+    pointer's ``version https://git-lfs...``), where torch's own message does not."""
     first_sentence = str(exc).strip().splitlines()[0].split(". ")[0] if str(exc).strip() else ""
+    operand = re.search(r"Unsupported operand \d+", str(exc))  # the weights-only unpickler's own first words mislead
+    first_sentence = operand.group(0) if operand else first_sentence
+    with open(path, "rb") as f:
+        start = f.read(24)
     return ConfigError(f"Cannot load {path}: {type(exc).__name__}: {first_sentence} (not a PyTorch file, or a "
-                       "truncated one: train again or download it again)")
+                       f"truncated one: it starts with {start!r}; train again or download it again)")
 
 
 def load_weights(model: torch.nn.Module, path: str, *, unsafe: bool = False, for_inference: bool = False,
