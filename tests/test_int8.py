@@ -213,6 +213,11 @@ BOTH = {"float32": "m.onnx", "int8": "m.int8.onnx"}
     (HASWELL, BOTH, [], ("onnxruntime", "m.onnx", "float32")),
     (HASWELL, {"int8": "m.int8.onnx"}, [], ("pytorch", "", "float32")),
     (HASWELL, {}, [], ("pytorch", "", "float32")),
+    # TEST.AMP True autocasts anywhere, but bfloat16 without native support is emulated: the export is faster.
+    (HASWELL, {"float32": "m.onnx"}, ["TEST.AMP.ENABLED", "True"], ("onnxruntime", "m.onnx", "float32")),
+    (SKYLAKE_SP, BOTH, ["TEST.AMP.ENABLED", "True"], ("onnxruntime", "m.onnx", "float32")),
+    (HASWELL, {}, ["TEST.AMP.ENABLED", "True"], ("pytorch", "", "bfloat16")),  # what the PyTorch run will do
+    (ZEN4, {"float32": "m.onnx"}, ["TEST.AMP.ENABLED", "True"], ("pytorch", "", "bfloat16")),
 ])
 def test_auto_chooses_by_the_cpu_class_as_the_benchmark_table_says(monkeypatch, cpu, available, opts, expected):
     flags, capability = cpu

@@ -33,7 +33,7 @@ from fvcore.common.config import CfgNode
 from pet.config import load_cfg
 from pet.engine.models import resolve_device
 from pet.engine.precision import choose_precision
-from pet.utils.cpu import cpu_int8_support
+from pet.utils.cpu import cpu_int8_support, cpu_native_support
 from pet.utils.errors import ConfigError
 from pet.utils.files import file_sha256
 
@@ -128,15 +128,18 @@ def choose_backend(cfg: CfgNode, available: Mapping[str, str], passed_over: Sequ
                                  f"{int8.reason}: int8 runs fastest there (docs/BENCHMARKS.md)")
         else:
             skipped.append(f"int8 passed over because {int8.reason}")
-    if pytorch.dtype is not None:
+    # TEST.AMP True autocasts on any CPU; only where the CPU runs it natively is that the fast way.
+    autocast = cpu_native_support(pytorch.name) if pytorch.dtype is not None else None
+    if autocast is not None and autocast.native:
         reason = f"{pytorch.reason}: faster than onnxruntime float32 there (docs/BENCHMARKS.md)"
         return BackendChoice("pytorch", "", pytorch.name, "; ".join([*skipped, reason]))
+    precision = pytorch.reason if autocast is None else f"{pytorch.reason}, emulated: {autocast.reason}"
     if "float32" in available and onnxruntime:
-        reason = f"no native bfloat16 ({pytorch.reason}): onnxruntime float32 is faster than PyTorch float32"
+        reason = f"no native bfloat16 ({precision}): onnxruntime float32 is faster than PyTorch float32"
         return BackendChoice("onnxruntime", available["float32"], "float32", "; ".join([*skipped, reason]))
     missing = "no export of these weights" if "float32" not in available else "onnxruntime is not installed"
-    reason = f"{pytorch.reason}, and {missing} (tools/export.py writes {os.path.join(cfg.CKPT, 'model.onnx')})"
-    return BackendChoice("pytorch", "", "float32", "; ".join([*skipped, reason]))
+    reason = f"{precision}, and {missing} (tools/export.py writes {os.path.join(cfg.CKPT, 'model.onnx')})"
+    return BackendChoice("pytorch", "", pytorch.name, "; ".join([*skipped, reason]))
 
 
 def resolve_backend(cfg_file: str, opts: list[str], backend: str, model: str) -> BackendChoice | None:
