@@ -33,6 +33,7 @@ from pet.modeling import build_model
 from pet.modeling.preprocess import image_sizes
 from pet.modeling.registry import ROI_BOX_HEAD_REGISTRY
 from pet.modeling.roi_heads import TwoMLPHead
+from pet.utils.errors import PetError
 from pet.utils.files import file_sha256
 
 
@@ -318,6 +319,18 @@ def test_an_output_that_is_a_folder_is_refused_before_the_model_is_built(monkeyp
         "faster_rcnn"].config), "--output", tmp_path, "CKPT", tmp_path / "nothing")
     assert status == 2 and stderr.strip() == (f"Error: --output {tmp_path} is a directory; name the ONNX file to "
                                               f"write, e.g. {tmp_path / 'model.onnx'}.")
+
+
+def test_without_onnxruntime_export_and_onnx_models_say_how_to_install_it(monkeypatch, capsys, tmp_path):
+    """The export extra missing is one line naming the pip command: for tools/export.py before it builds the model,
+    and for any run of an ONNX model."""
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # what Python does with a package that is not installed
+    with pytest.raises(PetError, match=r'^onnxruntime is not installed, .*: pip install -e "\.\[export\]"$'):
+        OnnxRuntimeModel(str(tmp_path / "model.onnx"))
+    status, stderr = run_tool_here(monkeypatch, capsys, "export.py", "--cfg", os.path.join(CFGS, "shapes", ARCHS[
+        "faster_rcnn"].config), "CKPT", tmp_path / "nothing")
+    assert status == 2 and stderr.strip() == ('Error: onnxruntime is not installed, and ONNX models run in it: '
+                                              'pip install -e ".[export]"')
 
 
 def test_test_net_evaluates_the_export_through_the_same_loop_evaluator_and_timers(exports, tmp_path):

@@ -12,10 +12,12 @@ The backend choice is checked with the CPU's flags faked: the rule is a table of
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 
 import cv2
@@ -32,7 +34,7 @@ from pet.deploy.backend import WEIGHTS_SHA256_KEY, choose_backend, exported_mode
 from pet.deploy.int8 import int8_image_sets
 from pet.modeling import build_model
 from pet.utils import cpu as cpu_module
-from pet.utils.errors import DataError
+from pet.utils.errors import DataError, PetError
 from pet.utils.files import file_sha256
 
 CFG = os.path.join(CFGS, "shapes", "faster_rcnn_R-18-FPN.yaml")
@@ -177,6 +179,14 @@ def test_predict_backend_auto_makes_test_nets_choice_and_predicts_with_it(int8_r
         assert f"--backend auto: {expected}" in f.read()
     with open(out / "predictions.csv") as f:
         assert len(f.read().splitlines()) > 16  # the header and detections on the 16 images
+
+
+def test_without_onnxruntime_the_int8_module_says_how_to_install_it(monkeypatch):
+    for name in [name for name in sys.modules if name == "onnxruntime" or name.startswith("onnxruntime.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # what Python does with a package that is not installed
+    monkeypatch.delitem(sys.modules, "pet.deploy.int8")
+    with pytest.raises(PetError, match=r'is not installed, and int8 quantization needs it: pip install -e "\.\[export'):
+        importlib.import_module("pet.deploy.int8")
 
 
 def test_the_three_image_sets_are_disjoint_even_when_training_and_test_sets_are_one(shapes_root):

@@ -30,9 +30,8 @@ import torch  # noqa: E402
 from pet.cli import launch_cli  # noqa: E402
 from pet.config import load_cfg  # noqa: E402
 from pet.deploy.backend import WEIGHTS_SHA256_KEY, int8_path  # noqa: E402
-from pet.deploy.int8 import default_image_counts, int8_image_sets, quantize_with_gate  # noqa: E402
 from pet.deploy.onnx import export_onnx  # noqa: E402
-from pet.deploy.onnxruntime_model import OnnxRuntimeModel  # noqa: E402
+from pet.deploy.onnxruntime_model import OnnxRuntimeModel, import_onnxruntime  # noqa: E402
 from pet.deploy.parity import ParityError, check_parity, parity_batches  # noqa: E402
 from pet.modeling import build_model  # noqa: E402
 from pet.predict.labels import ONNX_METADATA_KEY, label_space_from_checkpoint, model_label_space  # noqa: E402
@@ -79,9 +78,15 @@ def main() -> None:
     cfg = load_cfg(args.cfg_file, args.opts)
     output = args.output or os.path.join(cfg.CKPT, "model.onnx")
     check_output(output, args.check_only)
+    import_onnxruntime()  # the gate runs the export in onnxruntime: without it, say so before the export's minutes
 
     # The int8 step's images are checked before the export, which takes minutes.
-    sets = int8_image_sets(cfg, *default_image_counts(cfg, args.calib), args.gate_images) if args.int8 else None
+    sets = None
+    if args.int8:
+        # Imported here: it needs onnxruntime's quantization tools, which a float export does not.
+        from pet.deploy.int8 import default_image_counts, int8_image_sets, quantize_with_gate
+
+        sets = int8_image_sets(cfg, *default_image_counts(cfg, args.calib), args.gate_images)
     model = build_model(cfg)
     weights = args.weights or cfg.TEST.WEIGHTS or os.path.join(cfg.CKPT, "model_final.pth")
     load_weights(model, weights, unsafe=args.unsafe_load, for_inference=True,

@@ -40,18 +40,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import onnx
 from fvcore.common.config import CfgNode
-from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
-from onnxruntime.quantization.shape_inference import quant_pre_process
 
 from pet.data import COCODataset, DatasetMapper, collate_batch, get_dataset, read_image, register_custom_datasets
 from pet.deploy.onnx import Batch
-from pet.deploy.onnxruntime_model import OnnxRuntimeModel, session_inputs
+from pet.deploy.onnxruntime_model import INSTALL_EXPORT_EXTRA, OnnxRuntimeModel, session_inputs
 from pet.engine.inference import inference_on_dataset
 from pet.evaluation import COCOEvaluator
 from pet.utils.cpu import cpu_int8_support
 from pet.utils.errors import DataError, PetError
+
+try:  # the optional "export" extra: without it, importing this module is one line saying how to install it
+    import onnx
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+except ImportError as exc:
+    raise PetError(f"{exc.name or 'onnxruntime'} is not installed, and int8 quantization needs it: "
+                   f"{INSTALL_EXPORT_EXTRA}") from exc
 
 __all__ = ["Int8AccuracyError", "Int8ImageSets", "Int8Report", "Quantizer", "FLOAT_PARTS", "QUANTIZED_OPS",
            "default_image_counts", "detection_ap", "int8_image_sets", "model_parts", "quantize_with_gate"]

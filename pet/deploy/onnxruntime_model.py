@@ -7,6 +7,7 @@ evaluator, TestHook and any test callback use it unchanged (``tools/test_net.py 
 """
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,20 @@ from pet.modeling.postprocess import detections_to_original
 from pet.modeling.preprocess import image_sizes
 from pet.utils.errors import PetError
 
-__all__ = ["OnnxRuntimeModel", "session_inputs"]
+__all__ = ["OnnxRuntimeModel", "import_onnxruntime", "session_inputs"]
+
+# How to install what pet.deploy needs beyond PyTorch (onnx, onnxruntime, onnxscript).
+INSTALL_EXPORT_EXTRA = 'pip install -e ".[export]"'
+
+
+def import_onnxruntime() -> ModuleType:
+    """onnxruntime, from the optional ``export`` extra; without it, one line saying how to install it, so a tool
+    can check before minutes of work (tools/export.py does, before exporting)."""
+    try:
+        import onnxruntime  # an optional extra ("export"): only a run on an ONNX model needs it
+    except ImportError as exc:
+        raise PetError(f"onnxruntime is not installed, and ONNX models run in it: {INSTALL_EXPORT_EXTRA}") from exc
+    return onnxruntime
 
 
 class OnnxRuntimeModel(torch.nn.Module):
@@ -34,8 +48,7 @@ class OnnxRuntimeModel(torch.nn.Module):
     """
 
     def __init__(self, path: str, threads: int = 0) -> None:
-        import onnxruntime  # an optional extra ("export"): only a run on an ONNX model needs it
-
+        onnxruntime = import_onnxruntime()
         super().__init__()
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = threads
