@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from fvcore.common.config import CfgNode
 
-from pet.config import load_cfg
+from pet.config import default_weights, load_cfg
 from pet.data import register_custom_datasets
 from pet.data.workers import WORKER_DIED_EXIT_CODE, remedy, worker_death
 from pet.engine.build import prepare_model
@@ -123,14 +123,14 @@ def build_trainer(cfg: CfgNode, *, resume: bool = False, unsafe: bool = False, w
 
 
 def build_test_model(cfg: CfgNode, *, weights: str = "", unsafe: bool = False) -> torch.nn.Module:
-    """The model of ``cfg`` with ``weights`` (default: ``TEST.WEIGHTS``, else ``CKPT/model_final.pth``) loaded,
+    """The model of ``cfg`` with ``weights`` (default: :func:`pet.config.default_weights`) loaded,
     on ``DEVICE``, as tools/test_net.py evaluates it.
 
     Weights that leave part of the model at its initial values are a :class:`ConfigError` naming the part,
     unless ``TEST.ALLOW_RANDOM_WEIGHTS`` (:func:`pet.utils.weights.load_weights` with ``for_inference``)."""
     model = prepare_model(build_model(cfg), cfg)
-    load_weights(model, weights or cfg.TEST.WEIGHTS or os.path.join(cfg.CKPT, "model_final.pth"), unsafe=unsafe,
-                 for_inference=True, allow_random=cfg.TEST.ALLOW_RANDOM_WEIGHTS)
+    load_weights(model, weights or default_weights(cfg), unsafe=unsafe, for_inference=True,
+                 allow_random=cfg.TEST.ALLOW_RANDOM_WEIGHTS)
     if comm.is_main_process():
         log_model_summary(model, cfg)
     return model

@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from helpers import CFGS, custom_datasets, run_tool
+from helpers import CFGS, custom_datasets, run_tool, run_tool_here
 from test_export import finish, randomize_norms, rescale_output, start_export
 
 from pet.config import load_cfg
@@ -179,6 +179,22 @@ def test_predict_backend_auto_makes_test_nets_choice_and_predicts_with_it(int8_r
         assert f"--backend auto: {expected}" in f.read()
     with open(out / "predictions.csv") as f:
         assert len(f.read().splitlines()) > 16  # the header and detections on the 16 images
+
+
+def test_with_a_checkpoint_out_dir_test_net_export_and_auto_take_the_final_weights_there(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """Training writes model_final.pth to HOOKS.CHECKPOINT.OUT_DIR when set: that is the default weights of all
+    three (one helper), not CKPT/model_final.pth."""
+    ckpt, out_dir = tmp_path / "ckpt", tmp_path / "weights"
+    ckpt.mkdir()
+    opts = ["CKPT", str(ckpt), "HOOKS.CHECKPOINT.OUT_DIR", str(out_dir)]
+    for tool in ("test_net.py", "export.py"):  # nothing trained yet: each names where it looked
+        status, stderr = run_tool_here(monkeypatch, capsys, tool, "--cfg", CFG, *opts)
+        assert status == 2 and f"Weights file not found: {out_dir / 'model_final.pth'} " in stderr, tool
+    out_dir.mkdir()
+    (out_dir / "model_final.pth").write_bytes(b"the final weights")
+    _export_recording(ckpt / "model.onnx", file_sha256(str(out_dir / "model_final.pth")))
+    assert exported_models(load_cfg(CFG, opts)) == {"float32": str(ckpt / "model.onnx")}
 
 
 def test_without_onnxruntime_the_int8_module_says_how_to_install_it(monkeypatch):

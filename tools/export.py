@@ -8,8 +8,8 @@ must agree within the tolerances it prints (boxes within 1e-3 of the image size,
 labels equal, mask IoU >= 0.99). Success is reported only then; a disagreement is one line and exit
 status 2, and nothing is left at the output path (the export is written beside it under a temporary name and
 renamed over it only once the gate passes, so a previous good export stays). ``--check-only`` runs the gate on an
-existing ``--output`` file. Weights: --weights, else
-TEST.WEIGHTS, else CKPT/model_final.pth. Default output: CKPT/model.onnx.
+existing ``--output`` file. Weights: --weights, else TEST.WEIGHTS, else CKPT/model_final.pth (in
+HOOKS.CHECKPOINT.OUT_DIR when set). Default output: CKPT/model.onnx.
 
 ``--int8`` then quantizes the (checked) export to int8 beside it (CKPT/model.int8.onnx), calibrated on --calib
 training images, and writes it only if its bbox AP (and segm AP) on the first --gate-images test images is within
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from pet.cli import launch_cli  # noqa: E402
-from pet.config import load_cfg  # noqa: E402
+from pet.config import default_weights, load_cfg  # noqa: E402
 from pet.deploy.backend import WEIGHTS_SHA256_KEY, int8_path  # noqa: E402
 from pet.deploy.onnx import export_onnx  # noqa: E402
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel, import_onnxruntime  # noqa: E402
@@ -57,7 +57,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Export a detector to ONNX and check it against PyTorch.")
     parser.add_argument("--cfg", dest="cfg_file", required=True, metavar="FILE", help="YAML config file")
     parser.add_argument("--weights", default="", metavar="FILE",
-                        help="weights to export (default: TEST.WEIGHTS, else CKPT/model_final.pth)")
+                        help="weights to export (default: TEST.WEIGHTS, else model_final.pth in CKPT, or in "
+                             "HOOKS.CHECKPOINT.OUT_DIR when set)")
     parser.add_argument("--output", default="", metavar="FILE", help="ONNX file to write (default: CKPT/model.onnx)")
     parser.add_argument("--check-only", action="store_true",
                         help="only run the parity gate on the --output file (and --int8 on it)")
@@ -88,7 +89,7 @@ def main() -> None:
 
         sets = int8_image_sets(cfg, *default_image_counts(cfg, args.calib), args.gate_images)
     model = build_model(cfg)
-    weights = args.weights or cfg.TEST.WEIGHTS or os.path.join(cfg.CKPT, "model_final.pth")
+    weights = args.weights or default_weights(cfg)
     load_weights(model, weights, unsafe=args.unsafe_load, for_inference=True,
                  allow_random=cfg.TEST.ALLOW_RANDOM_WEIGHTS)
     model.eval()

@@ -1,7 +1,7 @@
 """Test a model: python tools/test_net.py --cfg cfgs/<dataset>/<model>.yaml [KEY VALUE ...]
 
-Weights: TEST.WEIGHTS, or CKPT/model_final.pth when it is empty. Writes CKPT/test/
-(bbox.json, metrics.json with the COCO metrics and the speed summary, vis/ with --vis N).
+Weights: TEST.WEIGHTS, or model_final.pth in CKPT (HOOKS.CHECKPOINT.OUT_DIR when set) when it is empty. Writes
+CKPT/test/ (bbox.json, metrics.json with the COCO metrics and the speed summary, vis/ with --vis N).
 ``--eval-only-results FILE`` scores a saved results file instead, without the model.
 ``--backend onnxruntime --model FILE`` evaluates an ONNX export (tools/export.py) in onnxruntime
 instead, through the same loop, evaluator and timers, in float32 (or int8, for an int8 export).

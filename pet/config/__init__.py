@@ -28,7 +28,7 @@ from fvcore.common.config import CfgNode
 from pet.config.defaults import AUTO_OR_BOOL_KEYS, RENAMED_KEYS, get_default_cfg
 from pet.utils.errors import ConfigError
 
-__all__ = ["CfgNode", "get_default_cfg", "load_cfg", "merge_opts", "default_output_dir"]
+__all__ = ["CfgNode", "get_default_cfg", "load_cfg", "merge_opts", "default_output_dir", "default_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +111,13 @@ def _leaves(tree: dict, prefix: str = "") -> Iterable[tuple[str, Any]]:
             yield from _leaves(value, f"{prefix}{key}.")
         else:
             yield f"{prefix}{key}", value
+
+
+def default_weights(cfg: CfgNode) -> str:
+    """The weights tools/test_net.py, tools/export.py, tools/predict.py and ``--backend auto`` take by default:
+    ``TEST.WEIGHTS``, else the ``model_final.pth`` training wrote, in ``HOOKS.CHECKPOINT.OUT_DIR`` when that is
+    set (where the checkpoints go), else in ``CKPT``."""
+    return cfg.TEST.WEIGHTS or os.path.join(cfg.HOOKS.CHECKPOINT.OUT_DIR or cfg.CKPT, "model_final.pth")
 
 
 def default_output_dir(cfg_file: str | None) -> str:

@@ -394,7 +394,7 @@ _C.HOOKS.PROFILER.OUTPUT = "table"
 _C.TEST = CN()
 # Registered dataset names to evaluate on (each separately) in test_net.py and validation.
 _C.TEST.DATASETS = ("shapes_val",)
-# Weights to test; empty means CKPT/model_final.pth.
+# Weights to test; empty means model_final.pth in HOOKS.CHECKPOINT.OUT_DIR, else in CKPT.
 _C.TEST.WEIGHTS = ""
 # test_net.py and export.py refuse weights that leave part of the model at its random initial values
 # (a part the file lacks, or whose shape differs, e.g. a class head for another NUM_CLASSES): the error

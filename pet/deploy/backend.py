@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from fvcore.common.config import CfgNode
 
-from pet.config import load_cfg
+from pet.config import default_weights, load_cfg
 from pet.engine.models import resolve_device
 from pet.engine.precision import choose_precision
 from pet.utils.cpu import cpu_int8_support, cpu_native_support
@@ -69,7 +69,7 @@ def exported_models(cfg: CfgNode, passed_over: list[str] | None = None) -> dict[
     """The exports of this config's weights that exist: ``{"float32": CKPT/model.onnx, "int8": CKPT/model.int8.onnx}``
     (the names tools/export.py writes by default), leaving out any whose recorded weights are not the weights
     file's (sha256); why each was left out is appended to ``passed_over``."""
-    weights = cfg.TEST.WEIGHTS or os.path.join(cfg.CKPT, "model_final.pth")
+    weights = default_weights(cfg)
     float_path = os.path.join(cfg.CKPT, "model.onnx")
     paths = {"float32": float_path, "int8": int8_path(float_path)}
     exports = {precision: path for precision, path in paths.items() if os.path.isfile(path)}

@@ -29,7 +29,7 @@ import torch
 from fvcore.common.config import CfgNode
 
 from pet.cli import build_test_model
-from pet.config import load_cfg
+from pet.config import default_weights, load_cfg
 from pet.data import build_augmentations, read_image, register_custom_datasets
 from pet.data.categories import LabelSpace
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel
@@ -114,7 +114,7 @@ def predict_cfg(cfg_file: str, opts: Sequence[str] = ()) -> CfgNode:
 class Predictor:
     """A detector ready to predict, built from a config (a :class:`CfgNode` or a YAML path, with ``opts``).
 
-    ``weights``: the checkpoint (default ``TEST.WEIGHTS``, else ``CKPT/model_final.pth``), or with
+    ``weights``: the checkpoint (default: :func:`pet.config.default_weights`), or with
     ``backend="onnxruntime"`` the ONNX file of tools/export.py (run in float32). ``score_thresh`` drops
     detections below it (default: none beyond the model's own ``SCORE_THRESH_TEST``); ``max_det`` keeps the
     best N per picture. ``tile`` (px, 0: off), ``tile_overlap`` (a fraction of the tile),
@@ -146,7 +146,7 @@ class Predictor:
             model_file = weights or os.path.join(self.cfg.CKPT, "model.onnx")
             model, recorded = _onnx_model(model_file)
         elif model is None:
-            model_file = weights or self.cfg.TEST.WEIGHTS or os.path.join(self.cfg.CKPT, "model_final.pth")
+            model_file = weights or default_weights(self.cfg)
             model = build_test_model(self.cfg, weights=model_file, unsafe=unsafe_load)
             recorded = label_space_from_checkpoint(load_checkpoint(model_file, unsafe=unsafe_load))
         self.model = model.eval()
