@@ -315,6 +315,35 @@ def test_a_video_gives_every_nth_frame_and_an_mp4_of_them(tmp_path):
         assert f"{path}#28," in f.read()
 
 
+def test_pictures_whose_names_differ_only_by_extension_keep_it_and_overwrite_nothing(tmp_path):
+    src = tmp_path / "in"
+    src.mkdir()
+    write_scene(str(src / "a.jpg"), (64, 64), [(8, 8, 24, 24)])
+    write_scene(str(src / "a.png"), (64, 64), [(30, 30, 50, 50)], channel=1)
+    write_scene(str(src / "clip_1.png"), (64, 96), [(4, 4, 20, 20)], channel=2)
+    write_scene(str(src / "solo.png"), (64, 64), [(8, 8, 24, 24)])
+    for ext, fourcc in ((".mp4", "mp4v"), (".avi", "MJPG")):
+        video = cv2.VideoWriter(str(src / f"clip{ext}"), cv2.VideoWriter_fourcc(*fourcc), 10.0, (96, 64))
+        for _ in range(2):
+            video.write(np.full((64, 96, 3), 255 if ext == ".avi" else 0, np.uint8))
+        video.release()
+    source = Source(str(src))
+    out = tmp_path / "out"
+    with PredictionWriter(str(out), ["json", "vis", "crops"], BLOB_CLASSES, source) as writer:
+        for detections in blob_predictor().stream(source, batch_size=2, with_images=True, num_workers=0):
+            writer.write(detections)
+    names = {"a.jpg": "a.jpg", "a.png": "a.png", "clip_1.png": "clip_1.png", "solo.png": "solo",
+             **{f"clip.{ext}#{k}": f"clip.{ext}_{k}" for ext in ("avi", "mp4") for k in (0, 1)}}
+    assert sorted(os.listdir(out / "json")) == sorted(f"{name}.json" for name in names.values())
+    for file, name in names.items():
+        with open(out / "json" / f"{name}.json") as f:
+            assert json.load(f)["image"] == str(src / file.split("#")[0])
+    assert sorted(os.listdir(out / "vis")) == ["a.jpg", "a.png", "clip.avi.mp4", "clip.mp4.mp4", "clip_1.png",
+                                               "solo.png"]
+    crops = {str(p.relative_to(out / "crops")) for p in (out / "crops").rglob("*.*")}
+    assert {"red/a.jpg_0.jpg", "green/a.png_0.png", "blue/clip_1.png_0.png", "red/solo_0.png"} <= crops
+
+
 _KILLED_RUN = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})

@@ -19,6 +19,7 @@ from __future__ import annotations
 import glob
 import math
 import os
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +86,7 @@ class Source:
         self.paths = PathTable(paths)
         self.is_video = np.array([_kind(p) == "video" for p in paths], dtype=bool)
         self.frame_counts = {i: _check_video(paths[i]) for i in np.flatnonzero(self.is_video).tolist()}
+        self._keep_extension = _shared_stems([self.relpath(p) for p in paths], self.is_video.tolist())
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -93,6 +95,14 @@ class Source:
         """``path`` relative to the source's root, with ``/`` separators (how outputs mirror sub-folders)."""
         rel = os.path.relpath(os.path.abspath(path), self.root)
         return rel.replace(os.sep, "/")
+
+    def name(self, path: str, frame: int | None = None) -> str:
+        """What the outputs call a picture of the source: its :meth:`relpath` without extension, ``<that>_<frame>``
+        for a video frame; with the extension kept (``a.jpg``, ``a.png``) where the short names of two files
+        would be the same, so no output overwrites another."""
+        rel = self.relpath(path)
+        base = rel if rel in self._keep_extension else os.path.splitext(rel)[0]
+        return base if frame is None else f"{base}_{frame}"
 
     def num_pictures(self, vid_stride: int = 1) -> int:
         """Images plus the video frames a stride of ``vid_stride`` keeps (as far as the videos' headers tell)."""
@@ -153,6 +163,28 @@ class Source:
     def _hidden(self, path: str) -> bool:
         inside_output = self._exclude is not None and os.path.abspath(path).startswith(self._exclude + os.sep)
         return inside_output or os.path.basename(path).startswith(".")
+
+
+def _shared_stems(rels: Sequence[str], is_video: Sequence[bool]) -> set[str]:
+    """The relative paths whose output names must keep their extension: files whose stems are the same (``a.jpg``,
+    ``a.png``; ``a.mp4``, ``a.mov``), and an image whose stem is a frame's name (``clip_3.jpg`` beside
+    ``clip.mp4``). Compared without case, as a case-insensitive file system would; repeated until no name
+    is shared, since a kept extension can itself be another file's stem (``a.jpg`` beside ``a.jpg.png``)."""
+    keep: set[str] = set()
+    while True:
+        images: dict[str, set[str]] = {}
+        videos: dict[str, set[str]] = {}
+        for rel, video in zip(rels, is_video):
+            base = (rel if rel in keep else os.path.splitext(rel)[0]).casefold()
+            (videos if video else images).setdefault(base, set()).add(rel)
+        shared = {rel for group in (*images.values(), *videos.values()) if len(group) > 1 for rel in group}
+        for base, group in images.items() if videos else ():
+            frame = re.fullmatch(r"(.*)_\d+", base)
+            if frame and frame.group(1) in videos:
+                shared |= group | videos[frame.group(1)]
+        if shared <= keep:
+            return keep
+        keep |= shared
 
 
 def _common_folder(paths: Sequence[str]) -> str:

@@ -12,11 +12,13 @@ Under the output folder (docs: README "Predict"):
 - ``yolo``: ``labels/<name>.txt`` per picture in Ultralytics' convention (``cls cx cy w h conf``, class
   index from 0, coordinates normalised by the picture's size) and ``data.yaml`` with the names.
 - ``vis``: ``vis/<file>`` the picture with the detections scoring ``vis_thresh`` or more drawn; a video
-  becomes ``vis/<video stem>.mp4`` (mp4v, the codec opencv-python-headless has) of the frames predicted.
+  becomes ``vis/<video name>.mp4`` (mp4v, the codec opencv-python-headless has) of the frames predicted.
 - ``crops``: ``crops/<class name>/<name>_<k>.jpg``, the k-th detection of the picture cut out.
 
-``<name>`` is the picture's path under the input folder without its extension (``<video stem>_<frame>``
-for a frame), so sub-folders are mirrored and two ``a.jpg`` in different folders never collide. Files
+``<name>`` is the picture's path under the input folder without its extension (``<video name>_<frame>``
+for a frame), so sub-folders are mirrored and two ``a.jpg`` in different folders never collide; files whose
+names would be the same (``a.jpg`` and ``a.png``, ``a.mp4`` and ``a.mov``, ``clip_3.jpg`` beside
+``clip.mp4``) keep their extension in it (``a.jpg``, ``a.png``): :meth:`Source.name`. Files
 written once per picture are staged and renamed into place (:mod:`pet.utils.files`); files that grow
 over the run (the CSV, the COCO JSON, an mp4) are renamed into place when the run completes, so a run
 killed half-way leaves only complete files.
@@ -164,9 +166,8 @@ class PredictionWriter:
             self._write_crops(det, name)
 
     def name(self, det: Detections) -> str:
-        """The picture's path under the input folder, without extension; ``<video stem>_<frame>`` for a frame."""
-        stem = os.path.splitext(self.source.relpath(det.path))[0]
-        return stem if det.frame is None else f"{stem}_{det.frame}"
+        """The picture's name in the outputs (:meth:`Source.name`)."""
+        return self.source.name(det.path, det.frame)
 
     # ----------------------------------------------------------------- formats
     def _write_csv(self, det: Detections) -> None:
@@ -227,7 +228,7 @@ class PredictionWriter:
             self._end_video()
             write_bytes_atomic(self.path("vis", rel), _encode(drawn, os.path.splitext(rel)[1]))
             return
-        target = self.path("vis", f"{os.path.splitext(rel)[0]}.mp4")
+        target = self.path("vis", f"{self.source.name(det.path)}.mp4")
         if self._video is None or self._video[0] != target:
             self._end_video()
             self._start_video(target, det)
