@@ -18,8 +18,10 @@ import math
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
+import zlib
 from dataclasses import dataclass
 
 import cv2
@@ -76,8 +78,8 @@ def demo(tmp_path_factory, shapes_root) -> Demo:
     return Demo(opts, paths["weights"], paths["renamed"], paths["bare"], val_json, val_dir)
 
 
-def blob_predictor(**kwargs) -> Predictor:
-    cfg = load_cfg(DEMO_CFG, ["DEVICE", "cpu", "TEST.NUM_WARMUP", "0"])
+def blob_predictor(*opts: str, **kwargs) -> Predictor:
+    cfg = load_cfg(DEMO_CFG, ["DEVICE", "cpu", "TEST.NUM_WARMUP", "0", *opts])
     return Predictor(cfg, model=BlobDetector(), label_space=BLOB_CLASSES, **kwargs)
 
 
@@ -342,6 +344,20 @@ def test_pictures_whose_names_differ_only_by_extension_keep_it_and_overwrite_not
                                                "solo.png"]
     crops = {str(p.relative_to(out / "crops")) for p in (out / "crops").rglob("*.*")}
     assert {"red/a.jpg_0.jpg", "green/a.png_0.png", "blue/clip_1.png_0.png", "red/solo_0.png"} <= crops
+
+
+def test_a_picture_over_opencvs_pixel_limit_is_skipped_and_counted_saying_what_to_set(tmp_path, caplog):
+    write_scene(str(tmp_path / "a.png"), (64, 64), [(8, 8, 24, 24)])
+    chunks = [(b"IHDR", struct.pack(">IIBBBBB", 70000, 70000, 8, 2, 0, 0, 0)), (b"IDAT", zlib.compress(b"\0")),
+              (b"IEND", b"")]  # a valid PNG header of 70000 x 70000 pixels, over opencv's 2^30
+    (tmp_path / "huge.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"".join(
+        struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        for kind, data in chunks))
+    predictor = blob_predictor("DATA.ON_BAD_IMAGE", "skip")
+    assert len(list(predictor.stream(str(tmp_path), num_workers=0))) == 1
+    assert predictor.stats.skipped == 1 and predictor.stats.skipped_examples == [str(tmp_path / "huge.png")]
+    assert f"Skipped {tmp_path}/huge.png: Cannot decode image" in caplog.text
+    assert "OPENCV_IO_MAX_IMAGE_PIXELS" in caplog.text
 
 
 _KILLED_RUN = """

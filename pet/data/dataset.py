@@ -33,7 +33,13 @@ def read_image(path: str, image_id: int | None = None) -> np.ndarray:
     except OSError as exc:
         raise DataError(f"Cannot read {what}: {exc.strerror or exc}. Check that the file exists "
                         "under the dataset's image root.") from exc
-    image = cv2.imdecode(buffer, cv2.IMREAD_COLOR) if buffer.size else None
+    try:
+        image = cv2.imdecode(buffer, cv2.IMREAD_COLOR) if buffer.size else None
+    except cv2.error as exc:  # opencv raises, rather than returning None, for a header over its pixel limit
+        raise DataError(f"Cannot decode {what}: opencv refuses it ({exc.err}); if it has more pixels than opencv's "
+                        "limit (2^30), set the environment variable OPENCV_IO_MAX_IMAGE_PIXELS above its width x "
+                        "height. Else replace or remove it, or set DATA.ON_BAD_IMAGE skip to skip such "
+                        "images.") from exc
     if image is None:
         raise DataError(f"Cannot decode {what}: the file is empty, corrupt or not an image. "
                         "Replace or remove it, or set DATA.ON_BAD_IMAGE skip to skip such images.")
