@@ -185,6 +185,8 @@ def test_bad_input_is_one_line_and_exit_status_2_before_any_work(demo, tmp_path)
                    f"Error: Cannot write to the output folder {tmp_path}/a_file/out"),
         "bad image, error": (mixed, tmp_path / "o5", ["DATA.ON_BAD_IMAGE", "error"],
                              f"Error: Cannot decode image {mixed}/b.jpg: the file is empty"),
+        "output is the input": (mixed, mixed, [], f"Error: --output {mixed} is the input folder of {mixed}"),
+        "output is the glob's folder": (f"{mixed}/**/*.jpg", mixed, [], f"Error: --output {mixed} is the input folder"),
     }
     procs = {name: subprocess.Popen(
         [sys.executable, os.path.join(ROOT, "tools", "predict.py"), "--cfg", DEMO_CFG, "--input", str(src),
@@ -195,8 +197,20 @@ def test_bad_input_is_one_line_and_exit_status_2_before_any_work(demo, tmp_path)
         lines = stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(cases[name][3]), (name, stderr)
         if name != "bad image, error":  # found before the model is even loaded
-            assert "Loaded" not in stdout and not os.path.exists(cases[name][1] / "predictions.csv"), name
+            assert "Loaded" not in stdout and not os.path.exists(os.path.join(cases[name][1], "predictions.csv")), name
     assert not (tmp_path / "o5" / "predictions.csv").exists()  # a stopped run leaves no partial CSV
+
+
+def test_the_output_folder_inside_the_input_is_left_out_however_it_is_named(tmp_path):
+    src = tmp_path / "in"
+    (src / "out" / "vis").mkdir(parents=True)
+    write_scene(str(src / "a.jpg"), (32, 32), [(4, 4, 12, 12)])
+    write_scene(str(src / "out" / "vis" / "a.jpg"), (32, 32), [(4, 4, 12, 12)])  # a previous run's output
+    (tmp_path / "link").symlink_to(src / "out")
+    for spec in (str(src), f"{src}/**/*.jpg"):
+        for output in (src / "out", tmp_path / "link", src / "out" / ".." / "out"):
+            source = Source(spec, exclude=str(output))
+            assert [source.paths[i] for i in range(len(source))] == [str(src / "a.jpg")], (spec, output)
 
 
 # ------------------------------------------------------------------------------------------ tiles

@@ -4,8 +4,9 @@ decode them while the model runs.
 SRC is an image, a folder (searched recursively), a glob, a text file with one path per line (relative
 paths are taken from the text file's folder), or a video. Files are listed in sorted order (stable from
 run to run); hidden files and folders (a leading ``.``) are left out, and so is the output folder when it
-lies inside the input. Everything a user can get wrong about SRC (a missing path, an empty folder, a
-video opencv cannot open) is a :class:`DataError` raised here, before any work.
+lies inside the input (the input folder itself as output is refused). Everything a user can get wrong
+about SRC (a missing path, an empty folder, a video opencv cannot open) is a :class:`DataError` raised
+here, before any work.
 
 Decoding and the test transform run in DataLoader worker processes (``DATA.NUM_WORKERS``) while the
 model runs, with at most ``prefetch_factor`` batches per worker waiting, so memory stays bounded however
@@ -33,7 +34,7 @@ from pet.data import collate_batch, read_image
 from pet.data.build import seed_worker
 from pet.data.transforms import Augmentation, apply_augmentations
 from pet.predict.tiling import TileSpec
-from pet.utils.errors import DataError
+from pet.utils.errors import ConfigError, DataError
 
 __all__ = ["IMAGE_EXTENSIONS", "VIDEO_EXTENSIONS", "Source", "Picture", "Unreadable", "Work", "Preparer",
            "build_loader"]
@@ -77,7 +78,7 @@ class Source:
 
     def __init__(self, spec: str, *, exclude: str | None = None) -> None:
         self.spec = str(spec)
-        self._exclude = os.path.abspath(exclude) if exclude else None
+        self._exclude = os.path.realpath(exclude) if exclude else None
         paths, self.root = self._resolve(self.spec)
         paths = [p for p in paths if _kind(p)]
         if not paths:
@@ -124,13 +125,16 @@ class Source:
     # ----------------------------------------------------------------- resolving SRC
     def _resolve(self, spec: str) -> tuple[list[str], str]:
         if os.path.isdir(spec):
+            self._output_inside(spec)
             return self._walk(spec), os.path.abspath(spec)
         if os.path.isfile(spec):
             if _kind(spec):
                 return [spec], os.path.dirname(os.path.abspath(spec))
             return self._read_list(spec)
         if any(c in spec for c in _GLOB_CHARS):
-            paths = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p) and not self._hidden(p))
+            output_inside = self._output_inside(_glob_folder(spec))
+            paths = sorted(p for p in glob.glob(spec, recursive=True)
+                           if os.path.isfile(p) and not self._hidden(p, output_inside))
             if not paths:
                 raise DataError(f"The pattern {spec} matches no file.")
             return paths, _common_folder(paths)
@@ -141,7 +145,7 @@ class Source:
         found = []
         for directory, subdirs, files in os.walk(folder, followlinks=True):
             subdirs[:] = [d for d in subdirs if not d.startswith(".")
-                          and os.path.abspath(os.path.join(directory, d)) != self._exclude]
+                          and os.path.realpath(os.path.join(directory, d)) != self._exclude]
             found += [os.path.join(directory, f) for f in files if not f.startswith(".")]
         if not found:
             raise DataError(f"Input folder {folder} is empty.")
@@ -160,8 +164,18 @@ class Source:
             raise DataError(f"The list {list_file} names no file.")
         return paths, _common_folder(paths)
 
-    def _hidden(self, path: str) -> bool:
-        inside_output = self._exclude is not None and os.path.abspath(path).startswith(self._exclude + os.sep)
+    def _output_inside(self, folder: str) -> bool:
+        """Whether the output folder lies inside the input ``folder`` (then it is left out of the input). The input
+        folder itself as output is refused: the next run would read its outputs (vis/, crops/) as pictures."""
+        folder = os.path.realpath(folder)
+        if self._exclude == folder:
+            raise ConfigError(f"--output {self._exclude} is the input folder of {self.spec}: the next run would read "
+                              f"its outputs (vis/, crops/) as pictures. Write elsewhere, e.g. --output "
+                              f"{os.path.join(folder, 'predict')} (an output folder inside the input is left out).")
+        return self._exclude is not None and self._exclude.startswith(folder + os.sep)
+
+    def _hidden(self, path: str, output_inside: bool) -> bool:
+        inside_output = output_inside and os.path.realpath(path).startswith(self._exclude + os.sep)
         return inside_output or os.path.basename(path).startswith(".")
 
 
@@ -185,6 +199,13 @@ def _shared_stems(rels: Sequence[str], is_video: Sequence[bool]) -> set[str]:
         if shared <= keep:
             return keep
         keep |= shared
+
+
+def _glob_folder(pattern: str) -> str:
+    """The folder a glob searches from: its leading path components without a glob character."""
+    parts = pattern.split(os.sep)
+    fixed = next(i for i, part in enumerate(parts) if any(c in part for c in _GLOB_CHARS))
+    return os.sep.join(parts[:fixed]) or ("/" if pattern.startswith(os.sep) else ".")
 
 
 def _common_folder(paths: Sequence[str]) -> str:
