@@ -213,6 +213,17 @@ def test_the_output_folder_inside_the_input_is_left_out_however_it_is_named(tmp_
             assert [source.paths[i] for i in range(len(source))] == [str(src / "a.jpg")], (spec, output)
 
 
+def test_a_folder_reached_again_through_links_is_searched_once(tmp_path):
+    for folder in ("sub", "loop"):
+        (tmp_path / folder).mkdir()
+        write_scene(str(tmp_path / folder / "a.jpg"), (32, 32), [(4, 4, 12, 12)])
+    (tmp_path / "loop" / "self").symlink_to(".")  # a loop
+    (tmp_path / "alias").symlink_to("sub")  # the same folder twice: the real one is named
+    source = Source(str(tmp_path))
+    assert [source.paths[i] for i in range(len(source))] == [str(tmp_path / "loop" / "a.jpg"),
+                                                             str(tmp_path / "sub" / "a.jpg")]
+
+
 # ------------------------------------------------------------------------------------------ tiles
 def test_tiles_cover_the_picture_with_full_size_tiles():
     tiles = tile_grid(700, 1000, 256, 192)

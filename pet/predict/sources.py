@@ -142,10 +142,19 @@ class Source:
                         "video.")
 
     def _walk(self, folder: str) -> list[str]:
+        """Files under ``folder``, following links to folders; a folder reached again (a link to a folder
+        already searched, or a loop of links) is searched once, at the first path found (a real folder
+        before a link beside it)."""
         found = []
+        seen = {os.path.realpath(folder)}
         for directory, subdirs, files in os.walk(folder, followlinks=True):
-            subdirs[:] = [d for d in subdirs if not d.startswith(".")
-                          and os.path.realpath(os.path.join(directory, d)) != self._exclude]
+            kept = []
+            for d in sorted(subdirs, key=lambda d: (os.path.islink(os.path.join(directory, d)), d)):
+                real = os.path.realpath(os.path.join(directory, d))
+                if not d.startswith(".") and real != self._exclude and real not in seen:
+                    seen.add(real)
+                    kept.append(d)
+            subdirs[:] = kept
             found += [os.path.join(directory, f) for f in files if not f.startswith(".")]
         if not found:
             raise DataError(f"Input folder {folder} is empty.")
