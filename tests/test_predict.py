@@ -176,6 +176,9 @@ def test_bad_input_is_one_line_and_exit_status_2_before_any_work(demo, tmp_path)
     mixed.mkdir()
     shutil.copy(f"{demo.val_dir}/000001.jpg", mixed / "a.jpg")
     (mixed / "b.jpg").write_bytes(b"")
+    video = cv2.VideoWriter(str(tmp_path / "clip.mp4"), cv2.VideoWriter_fourcc(*"mp4v"), 10.0, (64, 64))
+    video.write(np.zeros((64, 64, 3), np.uint8))
+    video.release()
     weights = ["TEST.WEIGHTS", demo.weights]
     cases = {  # input, output, extra opts -> the start of the one line
         "missing": (tmp_path / "nope", tmp_path / "o1", [], f"Error: Input {tmp_path}/nope does not exist"),
@@ -187,10 +190,13 @@ def test_bad_input_is_one_line_and_exit_status_2_before_any_work(demo, tmp_path)
                              f"Error: Cannot decode image {mixed}/b.jpg: the file is empty"),
         "output is the input": (mixed, mixed, [], f"Error: --output {mixed} is the input folder of {mixed}"),
         "output is the glob's folder": (f"{mixed}/**/*.jpg", mixed, [], f"Error: --output {mixed} is the input folder"),
+        "stride 0": (tmp_path / "clip.mp4", tmp_path / "o6", ["--vid-stride", "0"],
+                     "Error: --vid-stride takes a whole number of 1"),
+        "negative batch": (mixed, tmp_path / "o7", ["--batch", "-2"], "Error: --batch takes a whole number of 1"),
     }
     procs = {name: subprocess.Popen(
         [sys.executable, os.path.join(ROOT, "tools", "predict.py"), "--cfg", DEMO_CFG, "--input", str(src),
-         "--output", str(out), *demo.opts, *weights, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+         "--output", str(out), *extra, *demo.opts, *weights], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) for name, (src, out, extra, _) in cases.items()}
     for name, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=600)

@@ -27,7 +27,7 @@ from pet.deploy.backend import resolve_backend  # noqa: E402
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel  # noqa: E402
 from pet.predict import PREDICT_DEFAULTS, PredictionWriter, Predictor, PredictStats, Source  # noqa: E402
 from pet.predict.writers import check_writable, parse_formats  # noqa: E402
-from pet.utils.errors import DataError  # noqa: E402
+from pet.utils.errors import ConfigError, DataError  # noqa: E402
 from pet.utils.logger import setup_logger  # noqa: E402
 
 logger = logging.getLogger("pet.tools.predict")
@@ -124,8 +124,17 @@ def summarize(stats: PredictStats, output: str, formats: list[str]) -> None:
     logger.info(f"Wrote {', '.join(formats)} to {output}")
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Counts argparse cannot bound: a zero stride or a negative batch would fail deep in the run."""
+    if args.vid_stride < 1:
+        raise ConfigError(f"--vid-stride takes a whole number of 1 or more (1: every frame); got {args.vid_stride}.")
+    if args.batch < 0:
+        raise ConfigError(f"--batch takes a whole number of 1 or more (0: TEST.IMS_PER_BATCH); got {args.batch}.")
+
+
 def main() -> None:
     args = parse_args()
+    check_args(args)
     choice = resolve_backend(args.cfg_file, args.opts, args.backend, args.model)
     backend, model_file = (choice.backend, choice.model) if choice else (args.backend, args.model)
     formats = parse_formats(args.save)
