@@ -230,6 +230,14 @@ def test_a_folder_reached_again_through_links_is_searched_once(tmp_path):
                                                              str(tmp_path / "sub" / "a.jpg")]
 
 
+def test_a_list_file_saved_with_a_byte_order_mark_keeps_its_first_entry(tmp_path):
+    for name in ("a.jpg", "b.jpg"):
+        write_scene(str(tmp_path / name), (32, 32), [(4, 4, 12, 12)])
+    (tmp_path / "list.txt").write_bytes("a.jpg\r\nb.jpg\r\n".encode("utf-8-sig"))
+    source = Source(str(tmp_path / "list.txt"))
+    assert [source.paths[i] for i in range(len(source))] == [str(tmp_path / "a.jpg"), str(tmp_path / "b.jpg")]
+
+
 # ------------------------------------------------------------------------------------------ tiles
 def test_tiles_cover_the_picture_with_full_size_tiles():
     tiles = tile_grid(700, 1000, 256, 192)

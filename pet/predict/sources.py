@@ -162,7 +162,7 @@ class Source:
 
     def _read_list(self, list_file: str) -> tuple[list[str], str]:
         try:
-            with open(list_file, encoding="utf-8") as f:
+            with open(list_file, encoding="utf-8-sig") as f:  # a BOM (Windows editors write one) is not a path
                 lines = [line.strip() for line in f]
         except (OSError, UnicodeDecodeError) as exc:
             raise DataError(f"Input {list_file} is neither an image, a video nor a text file of paths "
