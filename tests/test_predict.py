@@ -399,6 +399,24 @@ def test_a_picture_over_opencvs_pixel_limit_is_skipped_and_counted_saying_what_t
     assert "OPENCV_IO_MAX_IMAGE_PIXELS" in caplog.text
 
 
+def test_a_file_name_that_is_not_utf8_is_written_back_as_its_bytes(tmp_path):
+    src = tmp_path / "in"
+    src.mkdir()
+    name = os.fsdecode(b"caf\xe9.jpg")  # Latin-1, as an old camera or a Windows share names it
+    write_scene(str(src / "a.jpg"), (64, 64), [(8, 8, 24, 24)])
+    os.rename(src / "a.jpg", src / name)  # cv2.imwrite crashes on such a name
+    source = Source(str(src))
+    out = tmp_path / "out"
+    with PredictionWriter(str(out), ["csv", "json"], BLOB_CLASSES, source) as writer:
+        for detections in blob_predictor().stream(source, num_workers=0):
+            writer.write(detections)
+    with open(out / "predictions.csv", newline="", encoding="utf-8", errors="surrogateescape") as f:
+        rows = list(csv.DictReader(f))
+    assert [row["image"] for row in rows] == [str(src / name)]
+    with open(out / "json" / f"{os.path.splitext(name)[0]}.json") as f:
+        assert json.load(f)["image"] == str(src / name)
+
+
 _KILLED_RUN = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})

@@ -118,7 +118,9 @@ class PredictionWriter:
     # ----------------------------------------------------------------- the run
     def __enter__(self) -> PredictionWriter:
         if "csv" in self.formats:
-            f = self._stack.enter_context(atomic_open(self.path("predictions.csv"), "w", newline=""))
+            # A file name that is not UTF-8 (kept as surrogates, as the source found it) is written back as its bytes.
+            f = self._stack.enter_context(atomic_open(self.path("predictions.csv"), "w", newline="", encoding="utf-8",
+                                                      errors="surrogateescape"))
             self._csv = csv.writer(f)
             self._csv.writerow(CSV_COLUMNS)
         if "coco" in self.formats:
