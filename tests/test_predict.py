@@ -193,10 +193,13 @@ def test_bad_input_is_one_line_and_exit_status_2_before_any_work(demo, tmp_path)
         "stride 0": (tmp_path / "clip.mp4", tmp_path / "o6", ["--vid-stride", "0"],
                      "Error: --vid-stride takes a whole number of 1"),
         "negative batch": (mixed, tmp_path / "o7", ["--batch", "-2"], "Error: --batch takes a whole number of 1"),
+        "unquoted glob": (mixed / "a.jpg", tmp_path / "o8", [mixed / "b.jpg"],  # --input mixed/*.jpg, expanded
+                          f'Error: {mixed}/b.jpg is a file, not a config key: the shell expanded a glob given to '
+                          f'--input into many arguments. Quote the glob: --input "{mixed}/*.jpg".'),
     }
     procs = {name: subprocess.Popen(
         [sys.executable, os.path.join(ROOT, "tools", "predict.py"), "--cfg", DEMO_CFG, "--input", str(src),
-         "--output", str(out), *extra, *demo.opts, *weights], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+         "--output", str(out), *map(str, extra), *demo.opts, *weights], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) for name, (src, out, extra, _) in cases.items()}
     for name, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=600)

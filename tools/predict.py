@@ -26,6 +26,7 @@ from pet.cli import default_argument_parser, default_setup, launch_cli  # noqa: 
 from pet.deploy.backend import resolve_backend  # noqa: E402
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel  # noqa: E402
 from pet.predict import PREDICT_DEFAULTS, PredictionWriter, Predictor, PredictStats, Source  # noqa: E402
+from pet.predict.sources import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS  # noqa: E402
 from pet.predict.writers import check_writable, parse_formats  # noqa: E402
 from pet.utils.errors import ConfigError, DataError  # noqa: E402
 from pet.utils.logger import setup_logger  # noqa: E402
@@ -125,7 +126,14 @@ def summarize(stats: PredictStats, output: str, formats: list[str]) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Counts argparse cannot bound: a zero stride or a negative batch would fail deep in the run."""
+    """Counts argparse cannot bound: a zero stride or a negative batch would fail deep in the run. A file where a
+    config key goes is a glob the shell expanded: its files after the first (and the options after them) became
+    KEY VALUE overrides, which would fail as an unknown key."""
+    for key in args.opts[::2]:
+        if key.lower().endswith(IMAGE_EXTENSIONS + VIDEO_EXTENSIONS) or os.path.isfile(key):
+            pattern = os.path.join(os.path.dirname(args.input), "*" + os.path.splitext(args.input)[1])
+            raise ConfigError(f"{key} is a file, not a config key: the shell expanded a glob given to --input into "
+                              f'many arguments. Quote the glob: --input "{pattern}".')
     if args.vid_stride < 1:
         raise ConfigError(f"--vid-stride takes a whole number of 1 or more (1: every frame); got {args.vid_stride}.")
     if args.batch < 0:
