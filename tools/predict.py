@@ -137,7 +137,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.vid_stride < 1:
         raise ConfigError(f"--vid-stride takes a whole number of 1 or more (1: every frame); got {args.vid_stride}.")
     if args.batch < 0:
-        raise ConfigError(f"--batch takes a whole number of 1 or more (0: TEST.IMS_PER_BATCH); got {args.batch}.")
+        raise ConfigError(f"--batch takes 0 (TEST.IMS_PER_BATCH) or a whole number of pictures; got {args.batch}.")
 
 
 def main() -> None:
