@@ -192,7 +192,8 @@ def test_bad_input_is_one_line_and_exit_status_2_before_any_work(demo, tmp_path)
         "output is the glob's folder": (f"{mixed}/**/*.jpg", mixed, [], f"Error: --output {mixed} is the input folder"),
         "stride 0": (tmp_path / "clip.mp4", tmp_path / "o6", ["--vid-stride", "0"],
                      "Error: --vid-stride takes a whole number of 1"),
-        "negative batch": (mixed, tmp_path / "o7", ["--batch", "-2"], "Error: --batch takes 0 (TEST.IMS_PER_BATCH) or a whole number"),
+        "negative batch": (mixed, tmp_path / "o7", ["--batch", "-2"],
+                           "Error: --batch takes 0 (TEST.IMS_PER_BATCH) or a whole number"),
         "unquoted glob": (mixed / "a.jpg", tmp_path / "o8", [mixed / "b.jpg"],  # --input mixed/*.jpg, expanded
                           f'Error: {mixed}/b.jpg is a file, not a config key: the shell expanded a glob given to '
                           f'--input into many arguments. Quote the glob: --input "{mixed}/*.jpg".'),
