@@ -106,19 +106,20 @@ def build_trainer(cfg: CfgNode, *, resume: bool = False, unsafe: bool = False, w
 
     ``parts`` (model, optimizer, scheduler, data_loader, default_hooks) go to the Trainer;
     the rest is built from ``cfg``. Building fails on a bad model, data, hook or writer
-    setting before anything is written; then the main process writes ``CKPT/config.yaml``
-    and logs the model summary, and the trainer resumes from ``last_checkpoint`` when
-    ``resume`` or ``TRAIN.AUTO_RESUME`` (else loads ``TRAIN.WEIGHTS``); ``weights_only``
-    resumes all but the optimizer's state.
+    setting before anything is written; then the trainer resumes from ``last_checkpoint`` when
+    ``resume`` or ``TRAIN.AUTO_RESUME`` (else loads ``TRAIN.WEIGHTS``; ``weights_only`` resumes
+    all but the optimizer's state), and only then the main process writes ``CKPT/config.yaml``
+    and logs the model summary: a checkpoint this config cannot resume leaves the config.yaml
+    of the run that wrote it.
     """
     trainer = Trainer(cfg, **parts)
+    trainer.resume_or_load(resume=resume or weights_only or cfg.TRAIN.AUTO_RESUME, unsafe=unsafe,
+                           weights_only=weights_only)
     if comm.is_main_process():
         os.makedirs(cfg.CKPT, exist_ok=True)
         with open(os.path.join(cfg.CKPT, "config.yaml"), "w", encoding="utf-8") as f:
             f.write(cfg.dump())
         log_model_summary(unwrap_model(trainer.model), cfg)
-    trainer.resume_or_load(resume=resume or weights_only or cfg.TRAIN.AUTO_RESUME, unsafe=unsafe,
-                           weights_only=weights_only)
     return trainer
 
 

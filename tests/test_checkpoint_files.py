@@ -10,9 +10,10 @@ import sys
 
 import pytest
 import torch
-from conftest import ToyModel, regular_iters, toy_trainer
+from conftest import InfiniteToyLoader, ToyModel, regular_iters, toy_trainer
 from helpers import run_toy_train, start_and_wait_for_report
 
+from pet.cli import build_trainer
 from pet.engine.checkpoint import load_checkpoint, read_last_checkpoint
 from pet.utils import comm
 from pet.utils.errors import ConfigError
@@ -337,3 +338,37 @@ def test_sigkill_in_the_middle_of_a_checkpoint_write_leaves_the_previous_one_nam
     assert code == 0, err
     assert f"Resumed from {ckpt}/model_iter2.pth at iteration 2" in out
     assert not os.path.exists(half_written)
+
+
+def _two_groups(model):
+    """SGD over the model's weights and biases as two parameter groups (one group is the default)."""
+    weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
+    biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+    return torch.optim.SGD([{"params": weights}, {"params": biases}], lr=0.01)
+
+
+@pytest.mark.parametrize("changed, raised", [
+    ({"model": ToyModel(with_bn=True)}, "RuntimeError: Error(s) in loading state_dict for ToyModel: Missing key(s)"),
+    ({"optimizer": "two groups"}, "ValueError: loaded state dict has a different number of parameter groups"),
+], ids=["model", "optimizer"])
+def test_a_checkpoint_this_config_cannot_resume_is_one_config_error_and_keeps_the_runs_config(make_cfg, changed,
+                                                                                               raised):
+    """An edited model or optimizer resumed in the old CKPT (TRAIN.AUTO_RESUME is on by default): one line naming
+    the checkpoint, and CKPT/config.yaml still the config the checkpoints were trained with."""
+    cfg = make_cfg("SOLVER.MAX_ITER", 2, "TRAIN.SAVE_AS_JSON", False)
+    build_trainer(cfg, model=ToyModel(), data_loader=InfiniteToyLoader()).train()
+    config_yaml = os.path.join(cfg.CKPT, "config.yaml")
+    trained_with = open(config_yaml).read()
+
+    edited = make_cfg("SOLVER.MAX_ITER", 4, "TRAIN.SAVE_AS_JSON", False, "TRAIN.AUTO_RESUME", True)
+    model = changed.get("model", ToyModel())
+    optimizer = _two_groups(model) if "optimizer" in changed else None
+    with pytest.raises(ConfigError) as error:
+        build_trainer(edited, model=model, optimizer=optimizer, data_loader=InfiniteToyLoader())
+    message = str(error.value)
+    assert message.startswith(f"Cannot resume from {cfg.CKPT}/model_iter2.pth: it does not fit this config's "
+                              f"model or optimizer ({raised}")
+    assert message.endswith(f"Train this config in a new CKPT, or set the changed keys back ({cfg.CKPT}/config.yaml "
+                            "is the config it was trained with).")
+    assert "\n" not in message
+    assert open(config_yaml).read() == trained_with

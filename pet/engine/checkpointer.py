@@ -41,7 +41,7 @@ from pet.engine.models import unwrap_model
 from pet.engine.optim import SCHEDULE_KEYS
 from pet.engine.step import TrainStep
 from pet.utils import comm
-from pet.utils.errors import ConfigError, TrainingError
+from pet.utils.errors import ConfigError, PetError, TrainingError
 from pet.utils.files import atomic_path
 from pet.utils.rng import get_rng_state, set_rng_state
 from pet.utils.weights import load_weights
@@ -184,7 +184,16 @@ class Checkpointer:
         trainer = self.trainer
         last = read_last_checkpoint(trainer.output_dir) if resume else None
         if last is not None:
-            self.load(load_checkpoint(last, unsafe=unsafe), optimizer_state=not weights_only)
+            try:
+                self.load(load_checkpoint(last, unsafe=unsafe), optimizer_state=not weights_only)
+            except PetError:
+                raise
+            except (RuntimeError, ValueError, KeyError) as exc:  # a model, optimizer or hook of other shapes
+                detail = " ".join(str(exc).split())[:300]
+                raise ConfigError(f"Cannot resume from {last}: it does not fit this config's model or optimizer "
+                                  f"({type(exc).__name__}: {detail}). Train this config in a new CKPT, or set the "
+                                  f"changed keys back ({trainer.output_dir}/config.yaml is the config it was "
+                                  "trained with).") from exc
             fresh = " with a fresh optimizer (--resume-weights-only)" if weights_only else ""
             logger.info(f"Resumed from {last} at iteration {trainer.start_iter}{fresh}")
         elif trainer.cfg.TRAIN.WEIGHTS:
