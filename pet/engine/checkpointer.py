@@ -23,6 +23,7 @@ import io
 import logging
 import os
 import shutil
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -189,7 +190,7 @@ class Checkpointer:
             except PetError:
                 raise
             except (RuntimeError, ValueError, KeyError) as exc:  # a model, optimizer or hook of other shapes
-                detail = " ".join(str(exc).split())[:300]
+                detail = textwrap.shorten(str(exc), 300, placeholder=" ...")
                 raise ConfigError(f"Cannot resume from {last}: it does not fit this config's model or optimizer "
                                   f"({type(exc).__name__}: {detail}). Train this config in a new CKPT, or set the "
                                   f"changed keys back ({trainer.output_dir}/config.yaml is the config it was "
