@@ -34,6 +34,7 @@ from helpers import DEMO_CFG, ROOT, BlobDetector, custom_datasets
 
 from pet.config import load_cfg
 from pet.data.categories import LabelSpace, dataset_label_space
+from pet.data.formats.yolo import read_yolo
 from pet.engine.inference import evaluate_on_datasets
 from pet.modeling import build_model
 from pet.predict import PredictionWriter, Predictor, Source
@@ -78,9 +79,9 @@ def demo(tmp_path_factory, shapes_root) -> Demo:
     return Demo(opts, paths["weights"], paths["renamed"], paths["bare"], val_json, val_dir)
 
 
-def blob_predictor(*opts: str, **kwargs) -> Predictor:
+def blob_predictor(*opts: str, label_space: LabelSpace = BLOB_CLASSES, **kwargs) -> Predictor:
     cfg = load_cfg(DEMO_CFG, ["DEVICE", "cpu", "TEST.NUM_WARMUP", "0", *opts])
-    return Predictor(cfg, model=BlobDetector(), label_space=BLOB_CLASSES, **kwargs)
+    return Predictor(cfg, model=BlobDetector(), label_space=label_space, **kwargs)
 
 
 def write_scene(path: str, size: tuple[int, int], boxes: list[tuple[int, int, int, int]], channel: int = 0) -> None:
@@ -387,6 +388,40 @@ def test_pictures_whose_names_differ_only_by_extension_keep_it_and_overwrite_not
                                                "solo.png"]
     crops = {str(p.relative_to(out / "crops")) for p in (out / "crops").rglob("*.*")}
     assert {"red/a.jpg_0.jpg", "green/a.png_0.png", "blue/clip_1.png_0.png", "red/solo_0.png"} <= crops
+
+
+def test_yolo_output_of_a_coco_layout_model_reads_back_with_the_same_boxes_and_names(tmp_path):
+    """A COCO-layout label space (90 rows, the ten unused ones all named 'N/A') writes each name once in
+    data.yaml, so Pet's YOLO reader (and Ultralytics) take it: the labels, their conf column dropped as a
+    training set has none, read back as the detections' boxes and names."""
+    space = LabelSpace.by_category_id({1: "person", 3: "car"}, 90)  # red: label 1 'person', blue: 3 'car'
+    images = tmp_path / "set" / "images"
+    images.mkdir(parents=True)
+    write_scene(str(images / "a.png"), (100, 160), [(20, 10, 60, 40)])
+    write_scene(str(images / "b.png"), (96, 64), [(5, 50, 45, 90)], channel=2)
+    source = Source(str(images))
+    out = tmp_path / "out"
+    with PredictionWriter(str(out), ["yolo"], space, source) as writer:
+        detections = list(blob_predictor(label_space=space).stream(source))
+        for det in detections:
+            writer.write(det)
+    names = yaml.safe_load((out / "data.yaml").read_text())["names"]
+    assert (names[0], names[2], names[11], names[25]) == ("person", "car", "N/A_12", "N/A_26")
+    (tmp_path / "set" / "labels").mkdir()
+    for name in ("a", "b"):
+        lines = (out / "labels" / f"{name}.txt").read_text().splitlines()
+        (tmp_path / "set" / "labels" / f"{name}.txt").write_text("".join(" ".join(line.split()[:5]) + "\n"
+                                                                         for line in lines))
+    (tmp_path / "set" / "data.yaml").write_text((out / "data.yaml").read_text() + "val: images\n")
+
+    coco = read_yolo(str(tmp_path / "set" / "data.yaml"), "val").coco
+    category = {c["id"]: c["name"] for c in coco["categories"]}
+    assert [(a["image_id"], category[a["category_id"]]) for a in coco["annotations"]] == [(1, "person"), (2, "car")]
+    assert [det.names for det in detections] == [["person"], ["car"]]
+    for ann, det in zip(coco["annotations"], detections):  # the label files keep 6 significant digits
+        x0, y0, x1, y1 = det.boxes[0].tolist()
+        assert ann["bbox"] == pytest.approx([x0, y0, x1 - x0, y1 - y0], abs=1e-3)
+    assert [det.boxes.tolist() for det in detections] == [[[20, 10, 60, 40]], [[5, 50, 45, 90]]]
 
 
 def test_a_picture_over_opencvs_pixel_limit_is_skipped_and_counted_saying_what_to_set(tmp_path, caplog):

@@ -10,7 +10,9 @@ Under the output folder (docs: README "Predict"):
   ``images`` list: id, file_name under the input folder, path, width, height, and frame).
 - ``json``: ``json/<name>.json`` per picture: its path, size, and detections (box, score, label, name).
 - ``yolo``: ``labels/<name>.txt`` per picture in Ultralytics' convention (``cls cx cy w h conf``, class
-  index from 0, coordinates normalised by the picture's size) and ``data.yaml`` with the names.
+  index from 0, coordinates normalised by the picture's size) and ``data.yaml`` with the names, each once:
+  a name the label space repeats (``N/A`` at the ten unused rows of a COCO-layout model) gets its category
+  id appended (``N/A_12``), as YOLO readers refuse a repeated name.
 - ``vis``: ``vis/<file>`` the picture with the detections scoring ``vis_thresh`` or more drawn; a video
   becomes ``vis/<video name>.mp4`` (mp4v, the codec opencv-python-headless has) of the frames predicted.
 - ``crops``: ``crops/<class name>/<name>_<k>.jpg``, the k-th detection of the picture cut out.
@@ -132,7 +134,7 @@ class PredictionWriter:
                               zip(self.label_space.category_ids, self.label_space.names)]
                 self._table.write('{"categories": ' + json.dumps(categories) + ', "images": [')
         if "yolo" in self.formats:
-            names = {i: name for i, name in enumerate(self.label_space.names)}
+            names = _yolo_names(self.label_space)
             text = ("# Class index -> name of the YOLO label files in labels/ (cls cx cy w h conf, normalised).\n"
                     + yaml.safe_dump({"nc": len(names), "names": names}, sort_keys=False, allow_unicode=True))
             write_bytes_atomic(self.path("data.yaml"), text.encode("utf-8"))
@@ -266,6 +268,15 @@ class PredictionWriter:
                 continue
             folder = class_name.replace("/", "_").replace(os.sep, "_") or "_"
             write_bytes_atomic(self.path("crops", folder, f"{name}_{k}{ext}"), _encode(image[y0:y1, x0:x1], ext))
+
+
+def _yolo_names(label_space: LabelSpace) -> dict[int, str]:
+    """Class index -> name for data.yaml, every name once: Ultralytics and Pet's YOLO reader refuse a repeated
+    name, and a ``category_id`` label space names all its unused rows alike (COCO's ``N/A``), so a repeated name
+    becomes ``<name>_<category id>``; the indices stay the model's rows, as in the label files."""
+    names = label_space.names
+    return {i: f"{name}_{cid}" if names.count(name) > 1 else name
+            for i, (cid, name) in enumerate(zip(label_space.category_ids, names))}
 
 
 def _require_image(det: Detections) -> np.ndarray:
