@@ -90,6 +90,27 @@ def test_the_start_up_table_counts_background_images(four_formats, caplog):
     assert len(loader.dataset) == 12  # DATA.FILTER_EMPTY False keeps them for training
 
 
+def test_a_label_file_edited_after_loading_is_read_again_by_the_next_load(tmp_path):
+    """The dataset cache notices an edited or a created label file (the VOC root's and the data.yaml's own
+    times do not change when one is edited in place), so a notebook or a test session never trains on
+    stale labels; an untouched set is not read again."""
+    specs = write_all_formats(tmp_path)
+    yolo, voc = _register(specs["yolo"]), _register(specs["voc"])
+    labels, xml = tmp_path / "yolo" / "labels" / "train", tmp_path / "voc" / "Annotations" / "img_001.xml"
+    before = {name: get_dataset(name) for name in (yolo, voc)}
+    assert get_dataset(yolo) is before[yolo] and get_dataset(voc) is before[voc]
+    assert not (labels / f"{BACKGROUND[1]}.txt").exists()
+
+    _append(labels / "img_001.txt", "0 0.5 0.5 0.25 0.25\n")
+    (labels / f"{BACKGROUND[1]}.txt").write_text("1 0.5 0.5 0.5 0.5\n")  # the background image gets a box
+    _replace(xml, "<name>", "<name>new_")  # its first object's class is renamed new_<class>
+    after = {name: get_dataset(name) for name in (yolo, voc)}
+    background = int(BACKGROUND[1][-3:]) - 1  # img_008 is the 8th image
+    assert len(after[yolo].records[0]["boxes"]) == len(before[yolo].records[0]["boxes"]) + 1
+    assert len(before[yolo].records[background]["boxes"]) == 0 and len(after[yolo].records[background]["boxes"]) == 1
+    assert [n for n in after[voc].class_names if n.startswith("new_")] and before[voc].class_names == list(CLASSES)
+
+
 def _tiny_run_cfg(tmp_path, name: str):
     return load_cfg(DEMO_CFG, [
         "CKPT", str(tmp_path / name), "DEVICE", "cpu", "MODEL.NUM_CLASSES", len(CLASSES),

@@ -36,16 +36,20 @@ def read_voc(root: str, split: str, classes: Sequence[str] | None = None) -> Rea
                         "Annotations/, JPEGImages/ and ImageSets/Main/)?")
     image_root = os.path.join(root, "JPEGImages")
     class_list = ClassList(classes)
+    label_files = [os.path.join(root, "ImageSets", "Main", f"{split}.txt")]
     if not classes:  # the list comes from every XML, so each split of the root gets the same one
+        label_files.append(annotations_dir)  # its listing: an XML added or removed changes the list
         for name in sorted(os.listdir(annotations_dir)):
             if name.endswith(".xml"):
                 xml_file = os.path.join(annotations_dir, name)
+                label_files.append(xml_file)
                 for k, obj in enumerate(_parse(xml_file).findall("object"), 1):
                     class_list.see(_object_name(obj, xml_file, k), f"{xml_file}, <object> #{k}")
 
     images, annotations, origins = [], [], {}
     for image_id, (line_where, stem) in enumerate(ids, 1):
         xml_file = os.path.join(annotations_dir, f"{stem}.xml")
+        label_files.append(xml_file)
         if not os.path.isfile(xml_file):
             raise DataError(f"{line_where}: image id '{stem}' has no annotation file {xml_file}. Add it or remove "
                             "the id from the split file.")
@@ -67,7 +71,7 @@ def read_voc(root: str, split: str, classes: Sequence[str] | None = None) -> Rea
     for ann in annotations:
         ann["category_id"] = category_ids[ann["category_id"]]
     coco = {"images": images, "annotations": annotations, "categories": class_list.categories()}
-    return ReadAnnotations(coco, image_root, origins)
+    return ReadAnnotations(coco, image_root, origins, label_files)
 
 
 def _split_ids(root: str, split: str) -> list[tuple[str, str]]:

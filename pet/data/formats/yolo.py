@@ -70,9 +70,10 @@ def read_yolo(data_yaml: str, split: str, classes: Sequence[str] | None = None) 
     image_paths = _list_images(config[split], root, data_yaml, split)
     category_ids = class_list.ids()  # known up-front: `names` (or `classes`) lists every class
 
-    images, annotations, origins = [], [], {}
+    images, annotations, origins, label_files = [], [], {}, []
     for image_id, path in enumerate(image_paths, 1):
         labels = label_path(path)
+        label_files.append(labels)
         width, height = image_size(path, labels if os.path.isfile(labels) else data_yaml)
         images.append({"id": image_id, "file_name": relative_to(path, root), "width": width, "height": height})
         for line_no, cls, values in _read_label_file(labels, names, config.get("kpt_shape")):
@@ -83,7 +84,7 @@ def read_yolo(data_yaml: str, split: str, classes: Sequence[str] | None = None) 
             annotations.append(ann)
             origins[ann["id"]] = where
     coco = {"images": images, "annotations": annotations, "categories": class_list.categories()}
-    return ReadAnnotations(coco, root, origins)
+    return ReadAnnotations(coco, root, origins, label_files)
 
 
 def _read_yaml(data_yaml: str) -> dict[str, Any]:
