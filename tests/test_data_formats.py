@@ -435,6 +435,44 @@ def test_a_csv_set_with_an_exif_rotated_jpeg_trains_without_a_size_mismatch(tmp_
     assert targets[0]["orig_size"] == (50, 30) and targets[0]["boxes"].shape == (1, 4)
 
 
+def test_a_labelimg_voc_set_of_exif_rotated_photos_says_to_drop_the_tag_not_to_swap_the_size(tmp_path):
+    """LabelImg shows a JPEG as stored (ignoring its EXIF orientation), so its XML has the stored size and boxes
+    in the stored pixels; opencv decodes the photo turned. Swapping the XML's size, as a plain size mismatch
+    is told to, would misplace the box: the message says to drop the tag, and once dropped the box is right."""
+    from PIL import Image
+
+    root = tmp_path / "labelimg"
+    for folder in ("Annotations", "JPEGImages", "ImageSets/Main"):
+        (root / folder).mkdir(parents=True)
+    pixels = np.zeros((30, 50, 3), np.uint8)  # stored 50 wide, 30 high; EXIF 6 turns it to 30x50
+    pixels[2:12, 30:48] = 200  # the object, as LabelImg shows and boxes it
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    photo = root / "JPEGImages" / "IMG_0001.jpg"
+    Image.fromarray(pixels).save(photo, exif=exif.tobytes(), quality=100)
+    (root / "Annotations" / "IMG_0001.xml").write_text(  # as LabelImg's PascalVocWriter writes it
+        f"<annotation><folder>JPEGImages</folder><filename>IMG_0001.jpg</filename><path>{photo}</path><source>"
+        "<database>Unknown</database></source><size><width>50</width><height>30</height><depth>3</depth></size>"
+        "<segmented>0</segmented><object><name>thing</name><pose>Unspecified</pose><truncated>0</truncated>"
+        "<difficult>0</difficult><bndbox><xmin>31</xmin><ymin>3</ymin><xmax>48</xmax><ymax>12</ymax></bndbox>"
+        "</object></annotation>")
+    (root / "ImageSets" / "Main" / "train.txt").write_text("IMG_0001\n")
+    cfg = load_cfg(None, ["DEVICE", "cpu", "MODEL.NUM_CLASSES", 1, "TRAIN.DATASETS",
+                          f"('{_register({'format': 'voc', 'path': str(root), 'split': 'train'})}',)",
+                          "SOLVER.IMS_PER_BATCH", 1, "DATA.NUM_WORKERS", 0, "INPUT.MIN_SIZE_TRAIN", "(0,)",
+                          "INPUT.FLIP_PROB", 0.0])
+    with pytest.raises(DataError) as error:
+        next(iter(build_train_loader(cfg)))
+    assert "decodes to 30x50 pixels, turned a quarter by its EXIF orientation 6" in str(error.value)
+    assert f"exiftool -Orientation=1 -n {photo}" in str(error.value) and "Fix its width" not in str(error.value)
+
+    Image.fromarray(pixels).save(photo, quality=100)  # the advice followed: no tag, the same stored pixels
+    images, targets = next(iter(build_train_loader(cfg)))
+    assert targets[0]["orig_size"] == (30, 50) and targets[0]["boxes"].tolist() == [[30, 2, 48, 12]]
+    x0, y0, x1, y1 = (int(v) for v in targets[0]["boxes"][0])
+    assert images[0][:, y0:y1, x0:x1].float().mean() > 150  # the box holds the object
+
+
 # --------------------------------------------------------------------------- class lists
 
 

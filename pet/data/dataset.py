@@ -18,6 +18,7 @@ import torch
 
 from pet.data.categories import LabeledDataset, LabelSpace
 from pet.data.coco_json import COCODataset
+from pet.data.formats.common import TRANSPOSED_ORIENTATIONS, exif_orientation
 from pet.utils.errors import DataError
 
 __all__ = ["DetectionDataset", "LoadFailure", "read_image"]
@@ -222,9 +223,21 @@ def check_same_categories(datasets: Sequence[COCODataset]) -> None:
 
 
 def _check_size(image: np.ndarray, record: dict[str, Any]) -> None:
+    """The decoded image must have the annotated size. A phone photo's EXIF orientation turns it a quarter as
+    opencv decodes it; a tool that ignores the tag (LabelImg) records the stored size and boxes in the stored
+    pixels, so the advice then is to drop the tag: swapping the annotated size would misplace every box."""
     h, w = image.shape[:2]
-    if (h, w) != (record["height"], record["width"]):
+    if (h, w) == (record["height"], record["width"]):
+        return
+    path, size = record["file_name"], f"{record['width']}x{record['height']}"
+    orientation = exif_orientation(path) if (w, h) == (record["height"], record["width"]) else 1
+    if orientation in TRANSPOSED_ORIENTATIONS:
         raise DataError(
-            f"Image {record['file_name']} (image id {record['image_id']}) decodes to {w}x{h} pixels but the "
-            f"annotations say {record['width']}x{record['height']}. Fix its width/height in the annotation file."
+            f"Image {path} (image id {record['image_id']}) decodes to {w}x{h} pixels, turned a quarter by its EXIF "
+            f"orientation {orientation}, but the annotations say {size}, its size before the turn: a labelling tool "
+            "that ignores EXIF orientation (LabelImg does) wrote them, with boxes in the unturned pixels, so "
+            "swapping width and height would misplace them. Remove the orientation tag, keeping the pixels "
+            f"(exiftool -Orientation=1 -n {path}), so that the image decodes as it was labelled."
         )
+    raise DataError(f"Image {path} (image id {record['image_id']}) decodes to {w}x{h} pixels but the annotations "
+                    f"say {size}. Fix its width/height in the annotation file.")

@@ -15,13 +15,14 @@ from typing import Any
 
 from pet.utils.errors import DataError
 
-__all__ = ["ReadAnnotations", "ClassList", "check_class_names", "image_size", "relative_to", "IMAGE_EXTENSIONS"]
+__all__ = ["ReadAnnotations", "ClassList", "check_class_names", "image_size", "exif_orientation", "relative_to",
+           "IMAGE_EXTENSIONS", "TRANSPOSED_ORIENTATIONS"]
 
 # Image files a folder listing picks up (Ultralytics' list, less the formats opencv cannot decode).
 IMAGE_EXTENSIONS = (".bmp", ".dng", ".jpeg", ".jpg", ".jp2", ".png", ".tif", ".tiff", ".webp", ".pfm")
 
 # EXIF orientations (tag 0x0112) that turn the image a quarter: opencv then swaps width and height.
-_TRANSPOSED_ORIENTATIONS = (5, 6, 7, 8)
+TRANSPOSED_ORIENTATIONS = (5, 6, 7, 8)
 
 
 @dataclass
@@ -94,9 +95,21 @@ def image_size(path: str, where: str) -> tuple[int, int]:
         raise DataError(f"{where}: image {path} does not exist. Check the dataset's image paths.") from exc
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         raise DataError(f"{where}: image {path} is not a readable image ({exc}). Replace or remove it.") from exc
-    if orientation in _TRANSPOSED_ORIENTATIONS:
+    if orientation in TRANSPOSED_ORIENTATIONS:
         return height, width
     return width, height
+
+
+def exif_orientation(path: str) -> int:
+    """The EXIF orientation of the image at ``path`` from its header (1 when it has none or Pillow cannot
+    read it): what explains a size that differs from the one a labelling tool recorded."""
+    from PIL import Image  # torchvision's dependency; only needed to explain a size mismatch
+
+    try:
+        with Image.open(path) as im:
+            return _exif_orientation(im)
+    except (OSError, SyntaxError, ValueError):  # opencv reads formats Pillow does not (PFM): no tag known
+        return 1
 
 
 def _stored_size(im: Any) -> tuple[int, int]:
