@@ -181,6 +181,33 @@ def test_predict_backend_auto_makes_test_nets_choice_and_predicts_with_it(int8_r
         assert len(f.read().splitlines()) > 16  # the header and detections on the 16 images
 
 
+def test_an_int8_model_is_offered_only_beside_the_float_export_it_was_quantized_from(int8_runs, tmp_path):
+    """The int8 model computes with the thresholds of the export it was quantized from. Re-exporting model.onnx (here
+    with another score threshold) leaves it beside the new export, recording the same weights: --backend auto passes
+    it over, saying why. Alone in CKPT (nothing newer contradicts it) it is offered, the log saying it is unchecked."""
+    float_path = os.path.join(int8_runs.ckpt, "model.onnx")
+    opts = [*int8_runs.opts, "TEST.WEIGHTS", int8_runs.weights]
+    assert exported_models(load_cfg(CFG, opts)) == {"float32": float_path, "int8": int8_path(float_path)}
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copy(int8_path(float_path), ckpt)
+    cfg = load_cfg(CFG, [*opts, "CKPT", str(ckpt)])
+    passed_over: list[str] = []
+    assert exported_models(cfg, passed_over) == {"int8": str(ckpt / "model.int8.onnx")}
+    assert passed_over == [f"{ckpt / 'model.int8.onnx'} offered unchecked: {ckpt / 'model.onnx'}, the float export it "
+                           "must have been quantized from, is not there to show that it computes with that export's "
+                           "thresholds"]
+    assert passed_over[0] in choose_backend(cfg, {"int8": str(ckpt / "model.int8.onnx")}, passed_over).reason
+    reexport = finish(start_export(CFG, [*opts, "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.5"], int8_runs.weights,
+                                   str(ckpt / "model.onnx")))
+    assert reexport.returncode == 0, reexport.stderr[-3000:]
+    passed_over = []
+    assert exported_models(cfg, passed_over) == {"float32": str(ckpt / "model.onnx")}
+    assert len(passed_over) == 1 and passed_over[0].startswith(
+        f"{ckpt / 'model.int8.onnx'} passed over: it was quantized from an earlier export than {ckpt / 'model.onnx'}")
+    assert passed_over[0] in choose_backend(cfg, {"float32": str(ckpt / "model.onnx")}, passed_over).reason
+
+
 def test_with_a_checkpoint_out_dir_test_net_export_and_auto_take_the_final_weights_there(tmp_path, monkeypatch,
                                                                                             capsys):
     """Training writes model_final.pth to HOOKS.CHECKPOINT.OUT_DIR when set: that is the default weights of all

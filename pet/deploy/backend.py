@@ -17,6 +17,11 @@ AVX-512 BF16 + VNNI machine there, from fastest:
 An export is offered only if it was made from the weights being evaluated (``TEST.WEIGHTS``, else
 ``CKPT/model_final.pth``): tools/export.py records their sha256 in the file's metadata (``pet.weights_sha256``),
 and an export of other weights, or one without the record (older than it), is passed over and the reason logged.
+An int8 export also records the sha256 of the float export it was quantized from (``pet.int8.float_sha256``): it
+computes with that export's thresholds, so beside a float export it is offered only if it was quantized from that
+very file (re-exporting ``model.onnx``, say with another ``MODEL.ROI_HEADS.SCORE_THRESH_TEST``, leaves the old int8
+file). With no float export beside it, nothing newer contradicts it: it is offered, and the log says it was not
+checked.
 An export computes with the thresholds and sizes it was exported with, whatever the config says now. This module
 imports onnxruntime nowhere and onnx only to read an existing export's metadata, so tools can call it before
 deciding what to load.
@@ -37,10 +42,13 @@ from pet.utils.cpu import cpu_int8_support, cpu_native_support
 from pet.utils.errors import ConfigError
 from pet.utils.files import file_sha256
 
-__all__ = ["BackendChoice", "WEIGHTS_SHA256_KEY", "choose_backend", "exported_models", "int8_path", "resolve_backend"]
+__all__ = ["BackendChoice", "FLOAT_SHA256_KEY", "WEIGHTS_SHA256_KEY", "choose_backend", "exported_models", "int8_path",
+           "resolve_backend"]
 
 # The metadata key under which tools/export.py records the sha256 of the weights file it exported.
 WEIGHTS_SHA256_KEY = "pet.weights_sha256"
+# The metadata key under which tools/export.py --int8 records the sha256 of the float export it quantized.
+FLOAT_SHA256_KEY = "pet.int8.float_sha256"
 
 
 @dataclass(frozen=True)
@@ -68,7 +76,8 @@ def int8_path(onnx_path: str) -> str:
 def exported_models(cfg: CfgNode, passed_over: list[str] | None = None) -> dict[str, str]:
     """The exports of this config's weights that exist: ``{"float32": CKPT/model.onnx, "int8": CKPT/model.int8.onnx}``
     (the names tools/export.py writes by default), leaving out any whose recorded weights are not the weights
-    file's (sha256); why each was left out is appended to ``passed_over``."""
+    file's (sha256), and an int8 export not quantized from the float export beside it; why each was left out (or
+    that an int8 export without a float one beside it was offered unchecked) is appended to ``passed_over``."""
     weights = default_weights(cfg)
     float_path = os.path.join(cfg.CKPT, "model.onnx")
     paths = {"float32": float_path, "int8": int8_path(float_path)}
@@ -83,18 +92,39 @@ def exported_models(cfg: CfgNode, passed_over: list[str] | None = None) -> dict[
     elif exports:
         sha = file_sha256(weights)
         for precision, path in exports.items():
-            recorded = _metadata(path).get(WEIGHTS_SHA256_KEY)
-            if recorded == sha:
-                found[precision] = path
-            elif recorded is None:
+            metadata = _metadata(path)
+            recorded = metadata.get(WEIGHTS_SHA256_KEY)
+            if recorded is None:
                 skipped.append(f"{path} passed over: it does not record the weights it was exported from (an "
                                f"export older than that record); export {weights} again with tools/export.py")
-            else:
+            elif recorded != sha:
                 skipped.append(f"{path} passed over: it was exported from other weights than {weights} (sha256 "
                                f"{recorded[:12]}, not {sha[:12]}); export them with tools/export.py")
+            elif precision == "int8" and "float32" not in exports:
+                found[precision] = path
+                skipped.append(f"{path} offered unchecked: {float_path}, the float export it must have been quantized "
+                               "from, is not there to show that it computes with that export's thresholds")
+            elif precision == "int8" and (stale := _int8_stale(path, metadata.get(FLOAT_SHA256_KEY), float_path)):
+                skipped.append(stale)
+            else:
+                found[precision] = path
     if passed_over is not None:
         passed_over.extend(skipped)
     return found
+
+
+def _int8_stale(path: str, recorded: str | None, float_path: str) -> str:
+    """Why the int8 export ``path`` is passed over, given the sha256 of the float export it ``recorded`` being
+    quantized from: it computes with that export's thresholds, so it must be the float export ``float_path`` now
+    beside it ("" when it is)."""
+    requantize = f"quantize it again with tools/export.py --check-only --int8 --output {float_path}"
+    if recorded is None:
+        return (f"{path} passed over: it does not record the float export it was quantized from (older than that "
+                f"record), so it may compute with other thresholds than {float_path}; {requantize}")
+    if recorded != file_sha256(float_path):
+        return (f"{path} passed over: it was quantized from an earlier export than {float_path} (exported again "
+                f"since, perhaps with other TEST options, which the int8 model does not compute with); {requantize}")
+    return ""
 
 
 def _metadata(path: str) -> dict[str, str]:
@@ -124,8 +154,8 @@ def choose_backend(cfg: CfgNode, available: Mapping[str, str], passed_over: Sequ
         if not onnxruntime:
             skipped.append("onnxruntime is not installed (pip install -e \".[export]\")")
         elif int8.native:
-            return BackendChoice("onnxruntime", available["int8"], "int8",
-                                 f"{int8.reason}: int8 runs fastest there (docs/BENCHMARKS.md)")
+            reason = f"{int8.reason}: int8 runs fastest there (docs/BENCHMARKS.md)"
+            return BackendChoice("onnxruntime", available["int8"], "int8", "; ".join([*skipped, reason]))
         else:
             skipped.append(f"int8 passed over because {int8.reason}")
     # TEST.AMP True autocasts on any CPU; only where the CPU runs it natively is that the fast way.

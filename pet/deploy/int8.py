@@ -43,12 +43,14 @@ import numpy as np
 from fvcore.common.config import CfgNode
 
 from pet.data import COCODataset, DatasetMapper, collate_batch, get_dataset, read_image, register_custom_datasets
+from pet.deploy.backend import FLOAT_SHA256_KEY
 from pet.deploy.onnx import Batch
 from pet.deploy.onnxruntime_model import INSTALL_EXPORT_EXTRA, OnnxRuntimeModel, session_inputs
 from pet.engine.inference import inference_on_dataset
 from pet.evaluation import COCOEvaluator
 from pet.utils.cpu import cpu_int8_support
 from pet.utils.errors import DataError, PetError
+from pet.utils.files import file_sha256
 
 try:  # the optional "export" extra: without it, importing this module is one line saying how to install it
     import onnx
@@ -278,7 +280,7 @@ def quantize_with_gate(cfg: CfgNode, float_path: str, output: str, sets: Int8Ima
         report.ap["float32"] = _reference_ap(float_model, sets.test, gate, "gate")
         report.ap["int8"] = detection_ap(OnnxRuntimeModel(candidate, threads=threads), sets.test, gate)
         _check_gate(report, output)
-        _record(candidate, report, len(sets.calibration), sets.train.name)
+        _record(candidate, report, len(sets.calibration), sets.train.name, float_path)
         os.replace(candidate, output)
     return report
 
@@ -336,10 +338,12 @@ def _check_gate(report: Int8Report, output: str) -> None:
             "TRAIN.DATASETS) or allow more with --int8-tolerance AP.")
 
 
-def _record(path: str, report: Int8Report, calibration_images: int, calibration_dataset: str) -> None:
-    """Write what the int8 model is and what its gate measured into its metadata (``pet.int8.*``)."""
+def _record(path: str, report: Int8Report, calibration_images: int, calibration_dataset: str, float_path: str) -> None:
+    """Write what the int8 model is and what its gate measured into its metadata (``pet.int8.*``), with the sha256 of
+    the float export it was quantized from (--backend auto offers it only beside that export: it has its thresholds)."""
     model = onnx.load(path)
-    facts = {"pet.int8.parts": ",".join(report.parts), "pet.int8.reduce_range": str(report.reduce_range),
+    facts = {FLOAT_SHA256_KEY: file_sha256(float_path),
+             "pet.int8.parts": ",".join(report.parts), "pet.int8.reduce_range": str(report.reduce_range),
              "pet.int8.calibration": f"{calibration_images} images of {calibration_dataset}",
              "pet.int8.gate": json.dumps({"dataset": report.gate_dataset, "images": report.gate_images,
                                           "tolerance": report.tolerance, "ap": report.ap})}
