@@ -333,6 +333,17 @@ def test_without_onnxruntime_export_and_onnx_models_say_how_to_install_it(monkey
                                               'pip install -e ".[export]"')
 
 
+def test_without_onnx_export_says_how_to_install_it(monkeypatch, capsys, tmp_path):
+    """onnx itself missing is the same one line as onnxruntime missing, not an import traceback: tools/export.py
+    imports pet.deploy.onnx (here imported anew, as in a fresh process) before it can check."""
+    monkeypatch.setitem(sys.modules, "onnx", None)  # what Python does with a package that is not installed
+    monkeypatch.delitem(sys.modules, "pet.deploy.onnx")
+    status, stderr = run_tool_here(monkeypatch, capsys, "export.py", "--cfg", os.path.join(CFGS, "shapes", ARCHS[
+        "faster_rcnn"].config), "CKPT", tmp_path / "nothing")
+    assert status == 2 and stderr.strip() == ('Error: onnx is not installed, and exporting to ONNX needs it: '
+                                              'pip install -e ".[export]"')
+
+
 def test_test_net_evaluates_the_export_through_the_same_loop_evaluator_and_timers(exports, tmp_path):
     export = exports["faster_rcnn"]
     # onnxruntime computes in float32, so the PyTorch run does too (its default is bfloat16 on a CPU with native bf16).

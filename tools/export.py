@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from pet.cli import launch_cli  # noqa: E402
 from pet.config import default_weights, load_cfg  # noqa: E402
 from pet.deploy.backend import WEIGHTS_SHA256_KEY, int8_path  # noqa: E402
-from pet.deploy.onnx import export_onnx  # noqa: E402
+from pet.deploy.onnx import export_onnx, import_onnx  # noqa: E402
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel, import_onnxruntime  # noqa: E402
 from pet.deploy.parity import ParityError, check_parity, parity_batches  # noqa: E402
 from pet.modeling import build_model  # noqa: E402
@@ -79,6 +79,7 @@ def main() -> None:
     cfg = load_cfg(args.cfg_file, args.opts)
     output = args.output or os.path.join(cfg.CKPT, "model.onnx")
     check_output(output, args.check_only)
+    import_onnx()  # the export is written with onnx: without it, say so before the export's minutes
     import_onnxruntime()  # the gate runs the export in onnxruntime: without it, say so before the export's minutes
 
     # The int8 step's images are checked before the export, which takes minutes.

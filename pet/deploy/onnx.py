@@ -25,17 +25,18 @@ import math
 import re
 import warnings
 from collections.abc import Mapping, Sequence
+from types import ModuleType
 from typing import Any
 
-import onnx
 import torch
 from torch import Tensor
 
 from pet.deploy.graph import DetectorGraph, build_graph
+from pet.deploy.onnxruntime_model import INSTALL_EXPORT_EXTRA
 from pet.modeling.preprocess import image_sizes
 from pet.utils.errors import PetError
 
-__all__ = ["Batch", "ExportError", "export_onnx", "to_onnx"]
+__all__ = ["Batch", "ExportError", "export_onnx", "import_onnx", "to_onnx"]
 
 Batch = tuple[Tensor, list[dict[str, Any]]]
 INPUT_NAMES = ("images", "image_sizes")
@@ -46,6 +47,16 @@ MAX_BATCH, MAX_IMAGE_SIZE = 256, 8192
 
 class ExportError(PetError):
     """The model cannot be exported; the message names the operation and the module that calls it."""
+
+
+def import_onnx() -> ModuleType:
+    """onnx, from the optional ``export`` extra; without it, one line saying how to install it, so a tool can check
+    before minutes of work (tools/export.py does, before building the model), as with onnxruntime."""
+    try:
+        import onnx  # an optional extra ("export"): imported on use, so that importing this module never fails
+    except ImportError as exc:
+        raise PetError(f"onnx is not installed, and exporting to ONNX needs it: {INSTALL_EXPORT_EXTRA}") from exc
+    return onnx
 
 
 def export_onnx(model: torch.nn.Module, example: Batch, path: str, metadata: Mapping[str, str] | None = None) -> str:
@@ -81,7 +92,7 @@ def export_onnx(model: torch.nn.Module, example: Batch, path: str, metadata: Map
         **(metadata or {}),
     })
     onnx_program.save(path)
-    onnx.checker.check_model(path, full_check=True)
+    import_onnx().checker.check_model(path, full_check=True)
     return path
 
 
