@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -32,6 +33,8 @@ from pet.config import load_cfg
 from pet.data import DatasetMapper, collate_batch, read_image
 from pet.deploy.backend import WEIGHTS_SHA256_KEY, choose_backend, exported_models, int8_path
 from pet.deploy.int8 import int8_image_sets
+from pet.engine import precision as precision_module
+from pet.engine.inference import inference_precision
 from pet.modeling import build_model
 from pet.utils import cpu as cpu_module
 from pet.utils.errors import DataError, PetError
@@ -254,6 +257,15 @@ HASWELL = ({}, "AVX2")
 BOTH = {"float32": "m.onnx", "int8": "m.int8.onnx"}
 
 
+def fake_cpu(monkeypatch, cpu: tuple[dict[str, bool], str]) -> None:
+    """This process sees the CPU class ``cpu`` (flags, capability), with no instruction-set cap in force."""
+    flags, capability = cpu
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(cpu_module, "_cpu_flags", lambda: {"avx2": True, **flags})
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+
+
 @pytest.mark.parametrize("cpu, available, opts, expected", [
     (ZEN4, BOTH, [], ("onnxruntime", "m.int8.onnx", "int8")),
     (ZEN4, {"float32": "m.onnx"}, [], ("pytorch", "", "bfloat16")),
@@ -273,15 +285,27 @@ BOTH = {"float32": "m.onnx", "int8": "m.int8.onnx"}
     (ZEN4, {"float32": "m.onnx"}, ["TEST.AMP.ENABLED", "True"], ("pytorch", "", "bfloat16")),
 ])
 def test_auto_chooses_by_the_cpu_class_as_the_benchmark_table_says(monkeypatch, cpu, available, opts, expected):
-    flags, capability = cpu
-    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(cpu_module, "_cpu_flags", lambda: {"avx2": True, **flags})
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    fake_cpu(monkeypatch, cpu)
     choice = choose_backend(load_cfg(CFG, ["DEVICE", "cpu", *opts]), available)
     assert (choice.backend, choice.model, choice.precision) == expected
     if "int8" in available and expected[2] != "int8":
         assert "int8 passed over because this CPU has no AVX512_VNNI, AVX_VNNI or AMX_INT8" in choice.reason
+
+
+def test_emulated_bfloat16_is_warned_about_only_when_pytorch_runs_it(monkeypatch, caplog):
+    """TEST.AMP True where bfloat16 is emulated: with an export, --backend auto runs it in float32 and nothing runs
+    bfloat16, so nothing warns; without one, PyTorch runs bfloat16, and its run warns (once) when it starts."""
+    fake_cpu(monkeypatch, HASWELL)
+    monkeypatch.setattr(precision_module, "_warned", set())
+    cfg = load_cfg(CFG, ["DEVICE", "cpu", "TEST.AMP.ENABLED", "True"])
+    with caplog.at_level(logging.WARNING, logger="pet"):
+        assert choose_backend(cfg, {"float32": "m.onnx"}).precision == "float32"
+        choice = choose_backend(cfg, {})
+        assert not caplog.records
+        assert (choice.backend, choice.precision) == ("pytorch", "bfloat16")
+        assert inference_precision(cfg, torch.device("cpu")).name == "bfloat16"  # the PyTorch run's own decision
+    assert len(caplog.records) == 1 and caplog.records[0].getMessage().startswith(
+        "TEST.AMP.ENABLED True asks for bfloat16 autocast, which this CPU does not run natively")
 
 
 def _export_recording(path, sha256: str | None) -> None:

@@ -143,7 +143,9 @@ def choose_backend(cfg: CfgNode, available: Mapping[str, str], passed_over: Sequ
     "int8": path}``, e.g. :func:`exported_models`), by the ranking in the module docstring. ``passed_over``: why
     exports were left out of ``available``, which the reason then starts with."""
     device = resolve_device(cfg.DEVICE)
-    pytorch = choose_precision(cfg.TEST.AMP.ENABLED, cfg.TEST.AMP.DTYPE, device, training=False, key="TEST.AMP")
+    # warn=False: an export may run instead; the PyTorch run warns about emulated bfloat16 itself if it is chosen.
+    pytorch = choose_precision(cfg.TEST.AMP.ENABLED, cfg.TEST.AMP.DTYPE, device, training=False, key="TEST.AMP",
+                               warn=False)
     if device.type != "cpu":
         return BackendChoice("pytorch", "", pytorch.name, f"DEVICE {cfg.DEVICE} runs on {device.type}; the exports "
                                                           "run on the CPU")

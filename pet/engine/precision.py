@@ -63,12 +63,12 @@ class Precision:
 
 
 def choose_precision(enabled: Any, dtype: str, device: torch.device | str, *, training: bool,
-                     key: str = "SOLVER.AMP") -> Precision:
+                     key: str = "SOLVER.AMP", warn: bool = True) -> Precision:
     """Decide the precision for ``device`` from ``{key}.ENABLED`` (auto/True/False) and ``{key}.DTYPE``.
 
     ``dtype`` is "auto" (bfloat16 on CPU, float16 on CUDA), "bfloat16" or "float16" (the values
     :func:`pet.config.validate_cfg` admits). Raises :class:`ConfigError` for a choice the hardware
-    cannot run (bfloat16 on a GPU without it).
+    cannot run (bfloat16 on a GPU without it). ``warn`` False: only weighing it (``--backend auto``), not running it.
     """
     device_type = torch.device(device).type
     if enabled is False:
@@ -84,7 +84,7 @@ def choose_precision(enabled: Any, dtype: str, device: torch.device | str, *, tr
             return Precision("cpu", _DTYPES[name], False, f"{key}.ENABLED auto and {support.reason}")
         return Precision("cpu", None, False, f"{key}.ENABLED auto and {support.reason}, so {name} would be "
                                              "emulated, many times slower than float32")
-    if not support.native:
+    if warn and not support.native:
         _warn_once(f"{key}.ENABLED True asks for {name} autocast, which this CPU does not run natively "
                    f"({support.reason}): torch emulates it, many times slower than float32. Set {key}.ENABLED "
                    "auto (or False) to train and test in float32 here.")
