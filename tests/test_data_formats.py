@@ -315,6 +315,23 @@ def test_a_roboflow_export_with_parent_relative_splits_reads_its_own_folders(tmp
         assert [a["bbox"] for a in read.coco["annotations"]] == [[40.0, 20.0, 20.0, 10.0]]
 
 
+def test_data_yaml_names_as_ultralytics_reads_them_quoted_indices_nc_alone_and_nc_disagreeing(tmp_path):
+    """Ultralytics reads `names` keyed '0', '1' as 0, 1, names the classes of an nc-only yaml class_0, class_1,
+    and refuses a yaml whose nc is not the number of names."""
+    _jpeg(tmp_path / "images" / "a.jpg", 40, 20)
+    _write(tmp_path / "labels" / "a.txt", "1 0.5 0.5 0.5 0.5\n")
+    data_yaml = tmp_path / "data.yaml"
+    for classes, expected in (("names:\n  '0': person\n  '1': bus\n", ["person", "bus"]),
+                              ("nc: 2\n", ["class_0", "class_1"])):
+        data_yaml.write_text(f"train: images\n{classes}")
+        read = read_yolo(str(data_yaml), "train")
+        assert [c["name"] for c in read.coco["categories"]] == expected
+        assert [a["category_id"] for a in read.coco["annotations"]] == [2]
+    data_yaml.write_text("train: images\nnc: 3\nnames: [person, bus]\n")
+    with pytest.raises(DataError, match=rf"^{re.escape(str(data_yaml))}: 'nc' is 3 but 'names' lists 2 classes"):
+        read_yolo(str(data_yaml), "train")
+
+
 def test_a_pose_set_reads_the_box_of_each_line_and_stops_at_a_line_unlike_its_kpt_shape(tmp_path):
     """With kpt_shape [17, 3] a line is the box and 51 keypoint values; 17 keypoints written as x y (39 values)
     are not a polygon (the yaml says pose) but a mistake naming its file:line."""
@@ -547,6 +564,8 @@ _BAD = {
                           r"data.yaml:\d+: not valid YAML", {}, []),
     "yolo: a class named twice": ("yolo", lambda r: _replace(r / "yolo" / "data.yaml", "3: triangle", "3: star"),
                                   r"The class list of .*data.yaml repeats \['star'\]", {}, []),
+    "yolo: nc is not the number of names": ("yolo", lambda r: _append(r / "yolo" / "data.yaml", "nc: 5\n"),
+                                            r"data.yaml: 'nc' is 5 but 'names' lists 4 classes", {}, []),
     "yolo: no such split": ("yolo", None, r"data.yaml has no 'test' split \(it has \['train', 'val'\]\)",
                             {"split": "test"}, []),
     "yolo: class index out of range": ("yolo", lambda r: _append(r / "yolo/labels/train/img_001.txt",

@@ -5,13 +5,15 @@ when absent), the splits (``train``, ``val``, ``test``: a folder searched recurs
 text file listing image paths (relative ones from the text file's folder), or a list of those; a
 single split path starting with ``../`` that does not exist is read without the ``../``, as
 Ultralytics does for Roboflow's exports) and the classes (``names``: a list, or a dict
-``{index: name}``). Each image's label file is its path with the last ``/images/`` replaced by
-``/labels/`` and the extension by ``.txt`` (Ultralytics' ``img2label_paths``). A label line is
-``class cx cy w h`` normalised by the image size, or ``class x1 y1 x2 y2 ...`` (three or more
-points), a polygon, used as the segmentation and its extent as the box; in a pose set (``kpt_shape``
-in the yaml) it is the box alone or the box and its keypoints (read past), nothing else. A missing
-or empty label file makes a background image. A line repeated in one file is read once, with a
-warning, as Ultralytics does: a repeat is one object counted twice, a sure miss in evaluation.
+``{index: name}`` whose indices may be quoted; ``nc``, if given, must be their number; ``nc`` alone
+names them ``class_0``, ``class_1``, ...). Each image's label file is its path with the last ``/images/``
+replaced by ``/labels/`` and the extension by ``.txt`` (Ultralytics' ``img2label_paths``). A label
+line is ``class cx cy w h`` normalised by the image size, or ``class x1 y1 x2 y2 ...`` (three or
+more points), a polygon, used as the segmentation and its extent as the box; in a pose set
+(``kpt_shape`` in the yaml) it is the box alone or the box and its keypoints (read past), nothing
+else. A missing or empty label file makes a background image. A line repeated in one file is read
+once, with a warning, as Ultralytics does: a repeat is one object counted twice, a sure miss in
+evaluation.
 
 Images are numbered 1..N in sorted path order (Ultralytics' order); their sizes come from the
 file headers, after EXIF orientation, as opencv decodes them. Class index i is ``names[i]``, id
@@ -105,14 +107,21 @@ def _read_yaml(data_yaml: str) -> dict[str, Any]:
 
 
 def _names(config: dict[str, Any], data_yaml: str) -> list[str]:
-    names = config.get("names")
+    names, nc = config.get("names"), config.get("nc")
     if isinstance(names, dict):
-        if sorted(names) != list(range(len(names))):
+        try:  # keys '0', '1' (a yaml written with quoted keys) are indices too, as Ultralytics reads them
+            indexed = {int(k): v for k, v in names.items()}
+        except (TypeError, ValueError):
+            indexed = {}
+        if sorted(indexed) != list(range(len(names))):
             raise DataError(f"'names' in {data_yaml} must be indexed 0..{len(names) - 1} (class index -> name), "
                             f"got indices {sorted(names, key=str)[:10]}.")
-        names = [names[i] for i in range(len(names))]
-    if names is None and isinstance(config.get("nc"), int):
-        names = [f"class{i}" for i in range(config["nc"])]  # Ultralytics' names for a set that gives only nc
+        names = [indexed[i] for i in range(len(names))]
+    if isinstance(names, list) and isinstance(nc, int) and nc != len(names):  # Ultralytics refuses it too
+        raise DataError(f"{data_yaml}: 'nc' is {nc} but 'names' lists {len(names)} classes. Make nc the number "
+                        "of names, or drop nc.")
+    if names is None and isinstance(nc, int):
+        names = [f"class_{i}" for i in range(nc)]  # Ultralytics' names for a set that gives only nc
     if not isinstance(names, list) or not names:
         raise DataError(f"{data_yaml} has no class list: add 'names' (a list, or a dict {{0: name, ...}}).")
     return check_class_names(names, data_yaml)
