@@ -556,6 +556,12 @@ def _replace(path, old: str, new: str, count: int = 1) -> None:
     open(path, "w").write(content.replace(old, new, count))
 
 
+def _sub(path, pattern: str, new: str) -> None:
+    content = open(path).read()
+    assert re.search(pattern, content), (path, pattern)
+    open(path, "w").write(re.sub(pattern, new, content, count=1))
+
+
 # case: (format, change to the written set, expected message, extra entry keys, extra opts)
 _BAD = {
     "yolo: no data.yaml": ("yolo", lambda r: os.remove(r / "yolo" / "data.yaml"),
@@ -591,6 +597,8 @@ _BAD = {
                        r"img_002.xml, <object> #1 \('\w+'\): no <bndbox>", {}, []),
     "voc: not a number": ("voc", lambda r: _replace(r / "voc/Annotations/img_002.xml", "<xmin>", "<xmin>x"),
                           r"img_002.xml, <object> #1 \('\w+'\): <bndbox/xmin> is 'x\d+', not a number", {}, []),
+    "voc: coordinate inf": ("voc", lambda r: _sub(r / "voc/Annotations/img_002.xml", "<ymax>[^<]*", "<ymax>inf"),
+                            r"img_002.xml, <object> #1 \('\w+'\): <bndbox/ymax> is 'inf', not a number", {}, []),
     "voc: missing xml": ("voc", lambda r: os.remove(r / "voc/Annotations/img_002.xml"),
                          r"train.txt:2: image id 'img_002' has no annotation file", {}, []),
     "voc: class outside classes": ("voc", None, r"img_005.xml, <object> #1 \('star'\): class 'star' is not in the "
@@ -603,6 +611,8 @@ _BAD = {
                                 r"boxes.csv:\d+: 4 columns where 6 are expected", {}, []),
     "csv: box not numbers": ("csv", lambda r: _append(r / "csv/boxes.csv", "img_001.jpg,a,b,c,d,circle\n"),
                              r"boxes.csv:\d+: the box \['a', 'b', 'c', 'd'\] is not four numbers", {}, []),
+    "csv: coordinate nan": ("csv", lambda r: _append(r / "csv/boxes.csv", "img_001.jpg,nan,2,3,4,circle\n"),
+                            r"boxes.csv:\d+: the box \['nan', '2', '3', '4'\] is not four numbers", {}, []),
     "csv: header lacks a column": ("csv", lambda r: _replace(r / "csv/boxes.csv", "image_path,", "file,"),
                                    r"boxes.csv:1: the header .* lacks the columns \['image_path'\]", {}, []),
     "csv: box without label": ("csv", lambda r: _append(r / "csv/boxes.csv", "img_001.jpg,1,2,3,4,\n"),

@@ -14,6 +14,7 @@ of the file's boxes.
 from __future__ import annotations
 
 import csv
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -134,7 +135,10 @@ def _is_header(fields: list[str]) -> bool:
 
 def _coords(texts: list[str], where: str) -> list[float]:
     try:
-        return [float(t) for t in texts]
+        coords = [float(t) for t in texts]
     except ValueError:
+        coords = [math.nan]
+    if not all(math.isfinite(c) for c in coords):  # 'nan' and 'inf' parse as floats
         raise DataError(f"{where}: the box {texts} is not four numbers (xmin, ymin, xmax, ymax in pixels). "
-                        "Fix the row, or leave all four and the label empty for an image without boxes.") from None
+                        "Fix the row, or leave all four and the label empty for an image without boxes.")
+    return coords

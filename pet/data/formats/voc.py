@@ -15,6 +15,7 @@ the sizes come from the XML (from the image header when it gives none).
 """
 from __future__ import annotations
 
+import math
 import os
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
@@ -111,9 +112,12 @@ def _number(element: ET.Element, path: str, where: str) -> float | None:
     if text is None or not text.strip():
         return None
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        raise DataError(f"{where}: <{path}> is '{text.strip()[:40]}', not a number. Fix the annotation.") from None
+        value = math.nan
+    if not math.isfinite(value):  # 'nan' and 'inf' parse as floats
+        raise DataError(f"{where}: <{path}> is '{text.strip()[:40]}', not a number. Fix the annotation.")
+    return value
 
 
 def _box(obj: ET.Element, where: str) -> tuple[float, float, float, float]:
