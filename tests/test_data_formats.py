@@ -111,6 +111,25 @@ def test_a_label_file_edited_after_loading_is_read_again_by_the_next_load(tmp_pa
     assert [n for n in after[voc].class_names if n.startswith("new_")] and before[voc].class_names == list(CLASSES)
 
 
+def test_an_image_added_to_a_yolo_split_folder_or_list_file_is_read_by_the_next_load(tmp_path):
+    """A new image (with its label) changes neither the data.yaml nor any label file read before: the cache
+    notices it by the split folder's or the image list file's time."""
+    root = tmp_path / "yolo"
+    write_all_formats(tmp_path)
+    (root / "list.yaml").write_text((root / "data.yaml").read_text().replace("train: images/train", "train: a.txt"))
+    (root / "a.txt").write_text("images/train/img_001.jpg\n")
+    by_folder, by_list = (_register({"format": "yolo", "path": str(root / y), "split": "train"})
+                          for y in ("data.yaml", "list.yaml"))
+    before = {name: get_dataset(name) for name in (by_folder, by_list)}
+
+    shutil.copy(root / "images" / "train" / "img_001.jpg", root / "images" / "train" / "new.jpg")
+    (root / "labels" / "train" / "new.txt").write_text("0 0.5 0.5 0.2 0.2\n")
+    _append(root / "a.txt", "images/train/new.jpg\n")
+    for name in (by_folder, by_list):
+        assert len(get_dataset(name)) == len(before[name]) + 1, name
+        assert get_dataset(name).records[-1]["file_name"].endswith("new.jpg")
+
+
 def _tiny_run_cfg(tmp_path, name: str):
     return load_cfg(DEMO_CFG, [
         "CKPT", str(tmp_path / name), "DEVICE", "cpu", "MODEL.NUM_CLASSES", len(CLASSES),

@@ -215,9 +215,9 @@ def get_dataset(name: str, *, strict: bool = False) -> COCODataset:
 
     Training, evaluation and the tools ask for a dataset many times in one process, so it is read once and
     kept until a file it was read from changes: the annotation file (or data.yaml, VOC root) and, for YOLO
-    and VOC, every label file read or looked for. A long-lived process (a notebook, a test session) then
-    sees an edited label; checking costs a ``stat`` per file (10 ms for 1,000 YOLO labels, where reading
-    them again takes 300 ms).
+    and VOC, every label file read or looked for, and YOLO's split folders and list files (an image added or
+    removed). A long-lived process (a notebook, a test session) then sees an edited label; checking costs a
+    ``stat`` per file (10 ms for 1,000 YOLO labels, where reading them again takes 300 ms).
     """
     spec = get_dataset_spec(name)
     if spec.prepare is not None:

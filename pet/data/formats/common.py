@@ -29,8 +29,9 @@ TRANSPOSED_ORIENTATIONS = (5, 6, 7, 8)
 class ReadAnnotations:
     """A reader's result: ``coco`` (``images``, ``annotations``, ``categories``; image ``file_name`` relative to
     ``image_root``), ``origins``, annotation id -> where it was read (for messages about that box), and
-    ``label_files``, the label files it read or looked for besides the dataset's path (YOLO's ``.txt``, VOC's
-    split file and XMLs), whose edits the dataset cache must notice (:func:`pet.data.catalog.get_dataset`)."""
+    ``label_files``, the label files it read or looked for besides the dataset's path (YOLO's ``.txt`` and the
+    split's folders or list files, VOC's split file and XMLs), whose edits the dataset cache must notice
+    (:func:`pet.data.catalog.get_dataset`)."""
 
     coco: dict[str, Any]
     image_root: str

@@ -69,10 +69,10 @@ def read_yolo(data_yaml: str, split: str, classes: Sequence[str] | None = None) 
                         "entry to one of them.")
     names = _names(config, data_yaml)
     class_list = ClassList(classes, default=names)
-    image_paths = _list_images(config[split], root, data_yaml, split)
+    image_paths, label_files = _list_images(config[split], root, data_yaml, split)
     category_ids = class_list.ids()  # known up-front: `names` (or `classes`) lists every class
 
-    images, annotations, origins, label_files = [], [], {}, []
+    images, annotations, origins = [], [], {}
     for image_id, path in enumerate(image_paths, 1):
         labels = label_path(path)
         label_files.append(labels)
@@ -127,18 +127,23 @@ def _names(config: dict[str, Any], data_yaml: str) -> list[str]:
     return check_class_names(names, data_yaml)
 
 
-def _list_images(source: Any, root: str, data_yaml: str, split: str) -> list[str]:
-    """Image paths of a split, sorted (Ultralytics sorts the images of all its sources together)."""
+def _list_images(source: Any, root: str, data_yaml: str, split: str) -> tuple[list[str], list[str]]:
+    """Image paths of a split, sorted (Ultralytics sorts the images of all its sources together), and where they
+    were listed: every folder searched and every list file, whose times change when an image is added or removed
+    (the dataset cache's stamp, :func:`pet.data.catalog.get_dataset`)."""
     paths: list[str] = []
+    listings: list[str] = []
     for entry in source if isinstance(source, list) else [source]:
         where = os.path.normpath(os.path.join(root, str(entry)))
         if not os.path.exists(where) and isinstance(source, str) and source.startswith("../"):
             # Roboflow's export: `train: ../train/images` beside the yaml; Ultralytics then drops the ../
             where = os.path.normpath(os.path.join(root, source[3:]))
         if os.path.isdir(where):
+            listings += [folder for folder, _, _ in os.walk(where, followlinks=True)]  # glob's ** follows links too
             paths += [p for p in glob.glob(os.path.join(glob.escape(where), "**", "*.*"), recursive=True)
                       if p.lower().endswith(IMAGE_EXTENSIONS)]
         elif os.path.isfile(where):
+            listings.append(where)
             with open(where, encoding="utf-8-sig") as f:  # -sig: Windows tools start the file with a BOM
                 lines = [line.strip() for line in f if line.strip()]
             paths += [os.path.normpath(os.path.join(os.path.dirname(where), line)) for line in lines]
@@ -147,7 +152,7 @@ def _list_images(source: Any, root: str, data_yaml: str, split: str) -> list[str
                             "image paths is expected). Fix the path in the data.yaml.")
     if not paths:
         raise DataError(f"{data_yaml}: the '{split}' split has no images in {source}. Check the path.")
-    return sorted(paths)
+    return sorted(paths), listings
 
 
 def _read_label_file(
