@@ -390,6 +390,25 @@ def test_pictures_whose_names_differ_only_by_extension_keep_it_and_overwrite_not
     assert {"red/a.jpg_0.jpg", "green/a.png_0.png", "blue/clip_1.png_0.png", "red/solo_0.png"} <= crops
 
 
+def test_crops_of_classes_named_like_paths_stay_one_folder_under_crops(tmp_path):
+    """A class name is data: ``..`` must not write beside ``crops/`` and ``N/A`` (COCO-layout models) must not
+    nest folders; each becomes one folder under ``crops/``, an ordinary name is kept."""
+    space = LabelSpace((1, 2, 3), ("..", "N/A", "blue"))
+    src = tmp_path / "in"
+    src.mkdir()
+    write_scene(str(src / "a.png"), (64, 64), [(8, 8, 24, 24)])
+    write_scene(str(src / "b.png"), (64, 64), [(8, 8, 24, 24)], channel=1)
+    write_scene(str(src / "c.png"), (64, 64), [(8, 8, 24, 24)], channel=2)
+    source = Source(str(src))
+    out = tmp_path / "out"
+    with PredictionWriter(str(out), ["crops"], space, source) as writer:
+        for detections in blob_predictor(label_space=space).stream(source, with_images=True, num_workers=0):
+            writer.write(detections)
+    assert sorted(os.listdir(out)) == ["crops"]
+    crops = sorted(str(p.relative_to(out / "crops")) for p in (out / "crops").rglob("*") if p.is_file())
+    assert crops == ["N_A/b_0.png", "__/a_0.png", "blue/c_0.png"]
+
+
 def test_yolo_output_of_a_coco_layout_model_reads_back_with_the_same_boxes_and_names(tmp_path):
     """A COCO-layout label space (90 rows, the ten unused ones all named 'N/A') writes each name once in
     data.yaml, so Pet's YOLO reader (and Ultralytics) take it: the labels, their conf column dropped as a

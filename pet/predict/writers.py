@@ -15,7 +15,9 @@ Under the output folder (docs: README "Predict"):
   id appended (``N/A_12``), as YOLO readers refuse a repeated name.
 - ``vis``: ``vis/<file>`` the picture with the detections scoring ``vis_thresh`` or more drawn; a video
   becomes ``vis/<video name>.mp4`` (mp4v, the codec opencv-python-headless has) of the frames predicted.
-- ``crops``: ``crops/<class name>/<name>_<k>.jpg``, the k-th detection of the picture cut out.
+- ``crops``: ``crops/<class name>/<name>_<k>.jpg``, the k-th detection of the picture cut out. The class
+  folder is always one level under ``crops/``: ``/`` (and ``\\`` on Windows) become ``_`` (``N/A`` -> ``N_A``),
+  and a name of dots only (``.``, ``..``) becomes as many ``_``.
 
 ``<name>`` is the picture's path under the input folder without its extension (``<video name>_<frame>``
 for a frame), so sub-folders are mirrored and two ``a.jpg`` in different folders never collide; files whose
@@ -266,8 +268,16 @@ class PredictionWriter:
             x1, y1 = min(int(math.ceil(box[2])), det.width), min(int(math.ceil(box[3])), det.height)
             if x1 <= x0 or y1 <= y0:
                 continue
-            folder = class_name.replace("/", "_").replace(os.sep, "_") or "_"
-            write_bytes_atomic(self.path("crops", folder, f"{name}_{k}{ext}"), _encode(image[y0:y1, x0:x1], ext))
+            write_bytes_atomic(self.path("crops", _class_folder(class_name), f"{name}_{k}{ext}"),
+                               _encode(image[y0:y1, x0:x1], ext))
+
+
+def _class_folder(class_name: str) -> str:
+    """The folder under ``crops/`` for ``class_name``, one level deep whatever the name: a path separator (or NUL)
+    becomes ``_`` (``N/A`` -> ``N_A``) and a name of dots only (``.``, ``..``) or none becomes as many ``_``, since it
+    would name ``crops/`` itself or the folder above it. Other names are kept as they are."""
+    folder = class_name.replace("/", "_").replace(os.sep, "_").replace("\0", "_")
+    return folder if folder.strip(".") else folder.replace(".", "_") or "_"
 
 
 def _yolo_names(label_space: LabelSpace) -> dict[int, str]:
