@@ -37,7 +37,7 @@ from pet.data.categories import LabelSpace, dataset_label_space
 from pet.data.formats.yolo import read_yolo
 from pet.engine.inference import evaluate_on_datasets
 from pet.modeling import build_model
-from pet.predict import PredictionWriter, Predictor, Source
+from pet.predict import PredictionWriter, Predictor, Source, predict_cfg
 from pet.predict.labels import model_label_space
 from pet.predict.tiling import TileSpec, greedy_nmm, merge_seams, tile_grid
 from pet.utils.errors import ConfigError
@@ -167,6 +167,29 @@ def test_every_format_mirrors_sub_folders_names_classes_from_the_model_and_skips
     assert len(crops) == len(rows) and all(c.split("/")[0] in RENAMED.names for c in crops)
     first = per_image["a/000001"]["detections"][0]
     assert f"{first['name']}/a/000001_0.jpg" in crops
+
+
+def test_a_score_threshold_below_the_models_gives_the_same_detections_from_python_as_from_the_command_line(
+        demo, tmp_path):
+    """--score-thresh below the model's SCORE_THRESH_TEST lowers it, so the model keeps those detections; the
+    Predictor's score_thresh must do the same (on a copy of the caller's config), or Python finds fewer."""
+    images = tmp_path / "in"
+    images.mkdir()
+    for name in ("000001.jpg", "000002.jpg"):
+        shutil.copy(f"{demo.val_dir}/{name}", images / name)
+    opts = [*demo.opts, "TEST.WEIGHTS", demo.weights, "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.54"]
+    run_predict("--cfg", DEMO_CFG, "--input", images, "--output", tmp_path / "cli", "--save", "csv",
+                "--score-thresh", "0.1", *opts)
+    cfg = predict_cfg(DEMO_CFG, opts)
+    source = Source(str(images))
+    predictor = Predictor(cfg, score_thresh=0.1)
+    with PredictionWriter(str(tmp_path / "python"), ["csv"], predictor.label_space, source) as writer:
+        for detections in predictor.stream(source):
+            writer.write(detections)
+    cli, python = ((tmp_path / folder / "predictions.csv").read_text() for folder in ("cli", "python"))
+    scores = [float(row["score"]) for row in csv.DictReader(python.splitlines())]
+    assert python == cli and min(scores) < 0.54 <= max(scores) and min(scores) >= 0.1
+    assert cfg.MODEL.ROI_HEADS.SCORE_THRESH_TEST == 0.54
 
 
 def test_bad_input_is_one_line_and_exit_status_2_before_any_work(demo, tmp_path):

@@ -26,15 +26,13 @@ from pet.cli import default_argument_parser, default_setup, launch_cli  # noqa: 
 from pet.deploy.backend import resolve_backend  # noqa: E402
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel  # noqa: E402
 from pet.predict import PREDICT_DEFAULTS, PredictionWriter, Predictor, PredictStats, Source  # noqa: E402
+from pet.predict.predictor import score_thresh_key  # noqa: E402
 from pet.predict.sources import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS  # noqa: E402
 from pet.predict.writers import check_writable, parse_formats  # noqa: E402
 from pet.utils.errors import ConfigError, DataError  # noqa: E402
 from pet.utils.logger import setup_logger  # noqa: E402
 
 logger = logging.getLogger("pet.tools.predict")
-
-# Where each built-in detector keeps its test score threshold (--score-thresh below it lowers it, for PyTorch).
-_SCORE_KEYS = {"FasterRCNN": "ROI_HEADS", "MaskRCNN": "ROI_HEADS", "RetinaNet": "RETINANET", "FCOS": "FCOS"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -76,30 +74,18 @@ def config_opts(args: argparse.Namespace, backend: str) -> list[str]:
     return opts
 
 
-def lower_score_threshold(cfg, threshold: float | None) -> None:
-    """Make the model keep detections down to ``threshold`` when that is below its own test threshold."""
-    node = _SCORE_KEYS.get(cfg.MODEL.META_ARCHITECTURE)
-    if threshold is None or node is None or threshold >= cfg.MODEL[node].SCORE_THRESH_TEST:
-        return
-    logger.info(f"--score-thresh {threshold} is below MODEL.{node}.SCORE_THRESH_TEST "
-                f"{cfg.MODEL[node].SCORE_THRESH_TEST}: lowering that too")
-    cfg.defrost()
-    cfg.MODEL[node].SCORE_THRESH_TEST = threshold
-    cfg.freeze()
-
-
 def check_export_threshold(cfg, cfg_file: str, model: OnnxRuntimeModel, threshold: float | None) -> None:
     """Warn when ``threshold`` is below the score threshold the export ``model`` computes with: the graph drops
     lower-scoring detections itself, and only exporting again lowers it."""
-    node = _SCORE_KEYS.get(cfg.MODEL.META_ARCHITECTURE)
+    key = score_thresh_key(cfg)
     exported = model.score_thresh
-    if exported is None and node:  # an export older than the record: most likely the config's threshold
-        exported = cfg.MODEL[node].SCORE_THRESH_TEST
+    if exported is None and key:  # an export older than the record: most likely the config's threshold
+        exported = cfg.MODEL[key.split(".")[1]].SCORE_THRESH_TEST
     if threshold is None or exported is None or threshold >= exported:
         return
     recorded = (f"with score threshold {exported}" if model.score_thresh is not None
                 else f"without recording its score threshold (probably the config's {exported})")
-    key = f"MODEL.{node}.SCORE_THRESH_TEST" if node else "the model's test score threshold key"
+    key = key or "the model's test score threshold key"
     logger.warning(f"--score-thresh {threshold} cannot go below the export's own threshold: {model.path} was "
                    f"exported {recorded} and drops lower-scoring detections itself. For them, export again: "
                    f"python tools/export.py --cfg {cfg_file} --output FILE {key} {threshold}, then --model FILE.")
@@ -153,8 +139,6 @@ def main() -> None:
     check_writable(output)
     setup_logger(output)
     source = Source(args.input, exclude=output)
-    if backend != "onnxruntime":  # an export computes with the threshold it was exported with
-        lower_score_threshold(cfg, args.score_thresh)
 
     if choice:
         logger.info(f"--backend auto: {choice}")

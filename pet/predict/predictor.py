@@ -45,13 +45,17 @@ from pet.utils.tensor import move_to_device
 from pet.utils.timers import activate
 from pet.utils.weights import load_checkpoint
 
-__all__ = ["Detections", "Predictor", "PredictStats", "PREDICT_DEFAULTS", "predict_cfg"]
+__all__ = ["Detections", "Predictor", "PredictStats", "PREDICT_DEFAULTS", "predict_cfg", "score_thresh_key",
+           "with_score_thresh"]
 
 logger = logging.getLogger(__name__)
 
 # Predicting's own defaults, under the config file and the command line: a folder of photos often holds a
 # broken one, so an unreadable picture is skipped and counted (DATA.ON_BAD_IMAGE error stops instead).
 PREDICT_DEFAULTS = ("DATA.ON_BAD_IMAGE", "skip")
+
+# Where each built-in detector keeps its test score threshold, which drops detections inside the model.
+_SCORE_NODES = {"FasterRCNN": "ROI_HEADS", "MaskRCNN": "ROI_HEADS", "RetinaNet": "RETINANET", "FCOS": "FCOS"}
 
 
 @dataclass
@@ -111,12 +115,37 @@ def predict_cfg(cfg_file: str, opts: Sequence[str] = ()) -> CfgNode:
     return load_cfg(cfg_file, [*PREDICT_DEFAULTS, *opts])
 
 
+def score_thresh_key(cfg: CfgNode) -> str | None:
+    """The config key of the model's test score threshold (``MODEL.ROI_HEADS.SCORE_THRESH_TEST`` ...), None for a
+    detector Pet does not know."""
+    node = _SCORE_NODES.get(cfg.MODEL.META_ARCHITECTURE)
+    return f"MODEL.{node}.SCORE_THRESH_TEST" if node else None
+
+
+def with_score_thresh(cfg: CfgNode, threshold: float | None) -> CfgNode:
+    """``cfg``, or a copy whose model keeps detections down to ``threshold`` when that is below the model's own test
+    threshold: a filter after the model cannot bring back what the model dropped. The caller's ``cfg`` is left as
+    it is."""
+    node = _SCORE_NODES.get(cfg.MODEL.META_ARCHITECTURE)
+    if threshold is None or node is None or threshold >= cfg.MODEL[node].SCORE_THRESH_TEST:
+        return cfg
+    logger.info(f"Score threshold {threshold} is below MODEL.{node}.SCORE_THRESH_TEST "
+                f"{cfg.MODEL[node].SCORE_THRESH_TEST}: lowering that too")
+    cfg = cfg.clone()
+    cfg.defrost()
+    cfg.MODEL[node].SCORE_THRESH_TEST = float(threshold)
+    cfg.freeze()
+    return cfg
+
+
 class Predictor:
     """A detector ready to predict, built from a config (a :class:`CfgNode` or a YAML path, with ``opts``).
 
     ``weights``: the checkpoint (default: :func:`pet.config.default_weights`), or with
     ``backend="onnxruntime"`` the ONNX file of tools/export.py (run in float32). ``score_thresh`` drops
-    detections below it (default: none beyond the model's own ``SCORE_THRESH_TEST``); ``max_det`` keeps the
+    detections below it (default: none beyond the model's own ``SCORE_THRESH_TEST``); below that, a PyTorch
+    model's threshold is lowered to it (:func:`with_score_thresh`, as tools/predict.py's ``--score-thresh``),
+    while an export keeps the threshold it was exported with; ``max_det`` keeps the
     best N per picture. ``tile`` (px, 0: off), ``tile_overlap`` (a fraction of the tile),
     ``tile_whole_image`` and ``tile_merge`` set up tiling (:class:`pet.predict.tiling.TileSpec`); with tiles
     ``max_det`` defaults to 1000 and applies after the merge.
@@ -146,6 +175,7 @@ class Predictor:
             model_file = weights or os.path.join(self.cfg.CKPT, "model.onnx")
             model, recorded = _onnx_model(model_file)
         elif model is None:
+            self.cfg = with_score_thresh(self.cfg, score_thresh)
             model_file = weights or default_weights(self.cfg)
             model = build_test_model(self.cfg, weights=model_file, unsafe=unsafe_load)
             recorded = label_space_from_checkpoint(load_checkpoint(model_file, unsafe=unsafe_load))
