@@ -232,6 +232,8 @@ def test_bad_input_is_one_line_and_exit_status_2_before_any_work(demo, tmp_path)
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(cases[name][3]), (name, stderr)
         if name != "bad image, error":  # found before the model is even loaded
             assert "Loaded" not in stdout and not os.path.exists(os.path.join(cases[name][1], "predictions.csv")), name
+            # and before the output folder is made: a typo in --input leaves no empty folder (with a log.txt) behind
+            assert cases[name][1] == mixed or not os.path.exists(cases[name][1]), name
     assert not (tmp_path / "o5" / "predictions.csv").exists()  # a stopped run leaves no partial CSV
 
 

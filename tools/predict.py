@@ -8,8 +8,9 @@ SRC: an image, a folder (recursive), a glob, a text file of paths, or a video. W
 (TEST.WEIGHTS, else CKPT/model_final.pth). Output: --output, default CKPT/predict/ (the files are listed
 in pet/predict/writers.py and the README). An unreadable image is skipped and counted (DATA.ON_BAD_IMAGE
 error on the command line stops instead); a missing input, an empty folder, an unreadable video or an
-unwritable output folder is one line and exit status 2, before any work. ``--backend auto`` runs the fastest of
-PyTorch and this config's exports on this CPU, as test_net does (pet/deploy/backend.py).
+unwritable output folder is one line and exit status 2, before any work (an input mistake before the output
+folder is made). ``--backend auto`` runs the fastest of PyTorch and this config's exports on this CPU, as
+test_net does (pet/deploy/backend.py).
 """
 import argparse
 import datetime
@@ -136,9 +137,9 @@ def main() -> None:
         raise DataError(f"--ann {args.ann} does not exist.")
     cfg = default_setup(args.cfg_file, config_opts(args, backend), args.local_rank)
     output = args.output or os.path.join(cfg.CKPT, "predict")
+    source = Source(args.input, exclude=output)  # before the output exists: a typo in --input leaves no folder
     check_writable(output)
     setup_logger(output)
-    source = Source(args.input, exclude=output)
 
     if choice:
         logger.info(f"--backend auto: {choice}")
