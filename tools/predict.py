@@ -27,7 +27,7 @@ from pet.cli import default_argument_parser, default_setup, launch_cli  # noqa: 
 from pet.deploy.backend import resolve_backend  # noqa: E402
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel  # noqa: E402
 from pet.predict import PREDICT_DEFAULTS, PredictionWriter, Predictor, PredictStats, Source  # noqa: E402
-from pet.predict.predictor import score_thresh_key  # noqa: E402
+from pet.predict.predictor import model_score_thresh  # noqa: E402
 from pet.predict.sources import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS  # noqa: E402
 from pet.predict.writers import check_writable, parse_formats  # noqa: E402
 from pet.utils.errors import ConfigError, DataError  # noqa: E402
@@ -78,10 +78,10 @@ def config_opts(args: argparse.Namespace, backend: str) -> list[str]:
 def check_export_threshold(cfg, cfg_file: str, model: OnnxRuntimeModel, threshold: float | None) -> None:
     """Warn when ``threshold`` is below the score threshold the export ``model`` computes with: the graph drops
     lower-scoring detections itself, and only exporting again lowers it."""
-    key = score_thresh_key(cfg)
+    key, configured = model_score_thresh(cfg) or (None, None)
     exported = model.score_thresh
-    if exported is None and key:  # an export older than the record: most likely the config's threshold
-        exported = cfg.MODEL[key.split(".")[1]].SCORE_THRESH_TEST
+    if exported is None:  # an export older than the record: most likely the config's threshold
+        exported = configured
     if threshold is None or exported is None or threshold >= exported:
         return
     recorded = (f"with score threshold {exported}" if model.score_thresh is not None

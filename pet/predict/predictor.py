@@ -45,7 +45,7 @@ from pet.utils.tensor import move_to_device
 from pet.utils.timers import activate
 from pet.utils.weights import load_checkpoint
 
-__all__ = ["Detections", "Predictor", "PredictStats", "PREDICT_DEFAULTS", "predict_cfg", "score_thresh_key",
+__all__ = ["Detections", "Predictor", "PredictStats", "PREDICT_DEFAULTS", "predict_cfg", "model_score_thresh",
            "with_score_thresh"]
 
 logger = logging.getLogger(__name__)
@@ -115,25 +115,25 @@ def predict_cfg(cfg_file: str, opts: Sequence[str] = ()) -> CfgNode:
     return load_cfg(cfg_file, [*PREDICT_DEFAULTS, *opts])
 
 
-def score_thresh_key(cfg: CfgNode) -> str | None:
-    """The config key of the model's test score threshold (``MODEL.ROI_HEADS.SCORE_THRESH_TEST`` ...), None for a
-    detector Pet does not know."""
+def model_score_thresh(cfg: CfgNode) -> tuple[str, float] | None:
+    """The model's test score threshold: its config key (``MODEL.ROI_HEADS.SCORE_THRESH_TEST`` ...) and value;
+    None for a detector Pet does not know."""
     node = _SCORE_NODES.get(cfg.MODEL.META_ARCHITECTURE)
-    return f"MODEL.{node}.SCORE_THRESH_TEST" if node else None
+    return (f"MODEL.{node}.SCORE_THRESH_TEST", cfg.MODEL[node].SCORE_THRESH_TEST) if node else None
 
 
 def with_score_thresh(cfg: CfgNode, threshold: float | None) -> CfgNode:
     """``cfg``, or a copy whose model keeps detections down to ``threshold`` when that is below the model's own test
     threshold: a filter after the model cannot bring back what the model dropped. The caller's ``cfg`` is left as
     it is."""
-    node = _SCORE_NODES.get(cfg.MODEL.META_ARCHITECTURE)
-    if threshold is None or node is None or threshold >= cfg.MODEL[node].SCORE_THRESH_TEST:
+    own = model_score_thresh(cfg)
+    if threshold is None or own is None or threshold >= own[1]:
         return cfg
-    logger.info(f"Score threshold {threshold} is below MODEL.{node}.SCORE_THRESH_TEST "
-                f"{cfg.MODEL[node].SCORE_THRESH_TEST}: lowering that too")
+    key, value = own
+    logger.info(f"Score threshold {threshold} is below {key} {value}: lowering that too")
     cfg = cfg.clone()
     cfg.defrost()
-    cfg.MODEL[node].SCORE_THRESH_TEST = float(threshold)
+    cfg.merge_from_list([key, float(threshold)])
     cfg.freeze()
     return cfg
 
