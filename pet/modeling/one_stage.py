@@ -21,6 +21,7 @@ from pet.modeling.postprocess import detections_to_original
 from pet.modeling.preprocess import Normalizer, image_sizes
 from pet.modeling.registry import DENSE_HEAD_REGISTRY
 from pet.modeling.state_dict_names import convert_state_dict
+from pet.utils.tensor import at_least_float32
 from pet.utils.timers import timed
 
 __all__ = ["OneStageDetector", "torchvision_args"]
@@ -97,7 +98,7 @@ class OneStageDetector:
             # in the autocast dtype, as torchvision's do (the focal loss casts to float32 where it matters;
             # float32 logits over every anchor and class cost RetinaNet ~9% of a bfloat16 step at 800x1333),
             # and are scored in float32 at test time.
-            head_outputs = {name: out if self.training and name == "cls_logits" else out.float()
+            head_outputs = {name: out if self.training and name == "cls_logits" else at_least_float32(out)
                             for name, out in self.head(features).items()}
             anchors = self.anchor_generator(ImageList(x, sizes), [_float32_shape_of(f) for f in features])
         per_location = self.anchor_generator.num_anchors_per_location()

@@ -19,6 +19,8 @@ import torch
 import torchvision
 from torchvision.ops.poolers import _convert_to_roi_format, _setup_scales
 
+from pet.utils.tensor import at_least_float32
+
 __all__ = ["MultiScaleRoIAlign", "roi_align_sparse"]
 
 
@@ -58,7 +60,8 @@ def roi_align_sparse(
 
     ``rois`` is ``[R, 5]`` (batch index, x1, y1, x2, y2 in input pixels) and ``sampling_ratio`` > 0
     (adaptive sampling gives each RoI its own sample count: use torchvision's kernel for it).
-    Computed in float32 and returned in ``features``' dtype, as torchvision's autocast wrapper does.
+    Computed in float32 (float64 for float64 features) and returned in ``features``' dtype, as torchvision's
+    autocast wrapper does.
     The result is a channels-last ``[R, C, out_h, out_w]`` view.
     """
     if sampling_ratio <= 0:
@@ -67,7 +70,7 @@ def roi_align_sparse(
     batch, channels, height, width = features.shape
     out_h, out_w = output_size
     ratio = sampling_ratio
-    boxes = rois[:, 1:].float() * spatial_scale
+    boxes = at_least_float32(rois[:, 1:]) * spatial_scale
     widths = (boxes[:, 2] - boxes[:, 0]).clamp(min=1.0)
     heights = (boxes[:, 3] - boxes[:, 1]).clamp(min=1.0)
     y_index, y_weight = _axis_samples(boxes[:, 1], heights, out_h, ratio, height)  # [R, out_h, ratio, 2]
@@ -80,7 +83,8 @@ def roi_align_sparse(
     # Left uncoalesced (duplicate entries just add up): sorting the entries would cost more than the product.
     weights = torch.sparse_coo_tensor(torch.stack([rows, columns.reshape(-1)]), values.reshape(-1),
                                       (rois.shape[0] * out_h * out_w, batch * height * width), check_invariants=False)
-    pixels = features.float().permute(0, 2, 3, 1).reshape(batch * height * width, channels)  # a view if channels-last
+    # A view if channels-last.
+    pixels = at_least_float32(features).permute(0, 2, 3, 1).reshape(batch * height * width, channels)
     with torch.autocast(features.device.type, enabled=False):  # autocast would cast only the dense operand
         pooled = torch.sparse.mm(weights, pixels)
     return pooled.view(-1, out_h, out_w, channels).permute(0, 3, 1, 2).to(features.dtype)

@@ -9,6 +9,8 @@ from torch.nn.functional import interpolate
 from torchvision.models.detection.roi_heads import expand_boxes, expand_masks
 from torchvision.ops import clip_boxes_to_image
 
+from pet.utils.tensor import at_least_float32
+
 __all__ = ["detections_to_original", "paste_masks"]
 
 def detections_to_original(
@@ -50,7 +52,7 @@ def paste_masks(
     masks = torch.zeros((len(boxes), height, width), dtype=torch.uint8, device=boxes.device)
     if len(boxes) == 0:
         return masks
-    padded, scale = expand_masks(mask_probs.float(), padding=1)
+    padded, scale = expand_masks(at_least_float32(mask_probs), padding=1)
     for out, mask, box in zip(masks, padded, expand_boxes(boxes, scale).to(torch.int64).tolist()):
         x0, y0, x1, y1 = box
         w, h = max(x1 - x0 + 1, 1), max(y1 - y0 + 1, 1)

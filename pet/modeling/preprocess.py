@@ -38,7 +38,7 @@ class Normalizer(torch.nn.Module):
         self.channels_last = bool(cfg.MODEL.CHANNELS_LAST)
 
     def forward(self, images: torch.Tensor, sizes: Sequence[tuple[int, int]]) -> torch.Tensor:
-        x = (images.float() / 255 - self.mean) / self.std
+        x = (images.to(self.mean.dtype) / 255 - self.mean) / self.std
         for i, (h, w) in enumerate(sizes):
             x[i, :, h:] = 0
             x[i, :, :h, w:] = 0

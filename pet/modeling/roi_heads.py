@@ -20,6 +20,7 @@ from torchvision.models.detection.roi_heads import RoIHeads
 
 from pet.modeling.poolers import MultiScaleRoIAlign
 from pet.modeling.registry import ROI_BOX_HEAD_REGISTRY, ROI_MASK_HEAD_REGISTRY
+from pet.utils.tensor import at_least_float32
 
 __all__ = ["TwoMLPHead", "FastRCNNPredictor", "MaskRCNNHeads", "MaskRCNNPredictor", "build_roi_heads"]
 
@@ -42,7 +43,7 @@ class FastRCNNPredictor(tv_frcnn.FastRCNNPredictor):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores, deltas = super().forward(x)
-        return scores.float(), deltas.float()
+        return at_least_float32(scores), at_least_float32(deltas)
 
 
 @ROI_MASK_HEAD_REGISTRY.register()
@@ -68,7 +69,7 @@ class MaskRCNNPredictor(tv_mrcnn.MaskRCNNPredictor):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x).float()
+        return at_least_float32(super().forward(x))
 
 
 def build_mask_branch(cfg: CfgNode, in_channels: int, featmap_names: list[str]) -> dict[str, torch.nn.Module]:

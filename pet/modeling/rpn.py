@@ -8,6 +8,7 @@ from torchvision.models.detection import rpn as tv_rpn
 
 from pet.modeling.anchors import build_anchor_generator
 from pet.modeling.registry import RPN_HEAD_REGISTRY
+from pet.utils.tensor import at_least_float32
 
 __all__ = ["RPNHead", "build_rpn"]
 
@@ -27,7 +28,7 @@ class RPNHead(tv_rpn.RPNHead):
 
     def forward(self, x: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         logits, deltas = super().forward(x)
-        return [t.float() for t in logits], [t.float() for t in deltas]
+        return [at_least_float32(t) for t in logits], [at_least_float32(t) for t in deltas]
 
 
 def build_rpn(cfg: CfgNode, in_channels: int, num_levels: int) -> tv_rpn.RegionProposalNetwork:

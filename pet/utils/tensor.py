@@ -16,3 +16,9 @@ def move_to_device(obj: Any, device: torch.device | str, non_blocking: bool = Tr
         return type(obj)(move_to_device(v, device, non_blocking) for v in obj)
     return obj
 
+
+
+def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in float32 when autocast left it in a reduced precision (bfloat16, float16); a float32 or
+    float64 tensor as it is, so a model moved to float64 (``model.double()``) computes in float64 throughout."""
+    return tensor.float() if tensor.dtype in (torch.bfloat16, torch.float16) else tensor
