@@ -9,6 +9,7 @@ import gc
 import multiprocessing
 import os
 import re
+import tempfile
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -24,6 +25,9 @@ from pet.engine.trainer import Trainer
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
+# Precision decisions measured during the suite (pet.engine.speed_probe) go to a folder of this session, shared by
+# the tools it runs: the suite neither reads nor writes the user's ~/.cache/pet.
+os.environ["PET_CACHE_DIR"] = tempfile.mkdtemp(prefix="pet-cache-")
 
 
 class ToyModel(torch.nn.Module):

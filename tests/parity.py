@@ -59,7 +59,7 @@ from pet.config import load_cfg
 from pet.data.build import collate_batch
 from pet.data.categories import LabelSpace
 from pet.data.mapper import DatasetMapper
-from pet.data.shapes import _render
+from pet.data.shapes import render_picture
 from pet.modeling import build_model, poolers
 from pet.utils.weights import load_weights
 
@@ -102,7 +102,7 @@ def coco_cfg(arch: str):
 
 def shapes_image(seed: int, height: int, width: int) -> tuple[np.ndarray, list[dict[str, Any]]]:
     """An RGB uint8 image of the shapes demo's kind and its objects (``label`` 1-3, visible ``mask``)."""
-    bgr, objects = _render(np.random.default_rng(seed), height, width, [height // 4, height // 2], 4)
+    bgr, objects = render_picture(np.random.default_rng(seed), height, width, [height // 4, height // 2], 4)
     return np.ascontiguousarray(bgr[:, :, ::-1]), [{"label": label + 1, "mask": mask} for label, mask in objects]
 
 

@@ -60,6 +60,10 @@ def test_train_then_test_writes_every_promised_file(tiny_set, tmp_path):
         report = json.load(f)
     assert 0 <= report["metrics"]["bbox/AP"] <= report["metrics"]["bbox/AP50"] <= 100  # scored, not NaN
     assert report["speed"]["timed_iters"] == 3 and report["speed"]["iter"]["mean_ms"] > 0
+    # the precision recorded is the one the run logged (TEST.AMP auto: measured or cached on this machine)
+    logged = {"float32": "Test precision: float32 (no autocast)", "bfloat16": "Test precision: bfloat16 autocast"}
+    assert report["backend"] == "pytorch" and logged[report["precision"]] in test.stdout
+    assert report["precision_reason"].startswith("TEST.AMP.ENABLED auto")
 
     vis_dir = os.path.join(ckpt, "test", "vis")
     first_images = sorted(gt.loadImgs(gt.getImgIds()), key=lambda info: info["id"])[:3]

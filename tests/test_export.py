@@ -358,6 +358,8 @@ def test_test_net_evaluates_the_export_through_the_same_loop_evaluator_and_timer
     assert reports["onnxruntime"]["metrics"] == pytest.approx(reports["pytorch"]["metrics"], abs=1e-4, nan_ok=True)
     assert {"iter", "data", "infer", "post", "images_per_second"} <= set(reports["onnxruntime"]["speed"])
     assert reports["onnxruntime"]["speed"]["timed_iters"] == reports["pytorch"]["speed"]["timed_iters"]
+    assert [(r["backend"], r["precision"]) for r in reports.values()] == [("pytorch", "float32"),
+                                                                          ("onnxruntime", "export's own")]
 
 
 @torch.library.custom_op("pet_export_test::shift", mutates_args=())

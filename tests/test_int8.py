@@ -35,6 +35,7 @@ from pet.deploy.backend import WEIGHTS_SHA256_KEY, choose_backend, exported_mode
 from pet.deploy.int8 import int8_image_sets
 from pet.engine import precision as precision_module
 from pet.engine.inference import inference_precision
+from pet.engine.speed_probe import Measurement
 from pet.modeling import build_model
 from pet.utils import cpu as cpu_module
 from pet.utils.errors import DataError, PetError
@@ -248,18 +249,23 @@ def test_the_three_image_sets_are_disjoint_even_when_training_and_test_sets_are_
 
 
 # ------------------------------------------------------------------------------------------------ the choice
-# CPU classes as torch's CPUID reader reports them (lower-case flags) with the capability torch's kernels use.
-ZEN4 = ({"avx512_bf16": True, "avx512_vnni": True, "avx_vnni": True}, "AVX512")  # also Sapphire Rapids (+AMX)
-ICE_LAKE = ({"avx512_vnni": True}, "AVX512")  # AVX-512 with VNNI, no bfloat16
-SKYLAKE_SP = ({}, "AVX512")  # AVX-512 without VNNI
-ALDER_LAKE = ({"avx_vnni": True}, "AVX2")  # AVX2 with AVX-VNNI
-HASWELL = ({}, "AVX2")
+# CPU classes as torch's CPUID reader reports them (lower-case flags), the capability torch's kernels use and, where
+# the CPU has bfloat16 instructions, how much faster TEST.AMP auto measures bfloat16 than float32 there.
+ZEN4 = ({"avx512_bf16": True, "avx512_vnni": True, "avx_vnni": True}, "AVX512", 1.7)  # also Sapphire Rapids (+AMX)
+NO_AMX = ({"avx512_bf16": True, "avx512_vnni": True, "avx_vnni": True}, "AVX512", 0.7)  # an Intel VM hiding AMX
+ICE_LAKE = ({"avx512_vnni": True}, "AVX512", None)  # AVX-512 with VNNI, no bfloat16
+SKYLAKE_SP = ({}, "AVX512", None)  # AVX-512 without VNNI
+ALDER_LAKE = ({"avx_vnni": True}, "AVX2", None)  # AVX2 with AVX-VNNI
+HASWELL = ({}, "AVX2", None)
 BOTH = {"float32": "m.onnx", "int8": "m.int8.onnx"}
 
 
-def fake_cpu(monkeypatch, cpu: tuple[dict[str, bool], str]) -> None:
-    """This process sees the CPU class ``cpu`` (flags, capability), with no instruction-set cap in force."""
-    flags, capability = cpu
+def fake_cpu(monkeypatch, cpu: tuple[dict[str, bool], str, float | None]) -> None:
+    """This process sees the CPU class ``cpu`` (flags, capability, bfloat16's measured speed-up), with no
+    instruction-set cap in force."""
+    flags, capability, speedup = cpu
+    monkeypatch.setattr(precision_module, "measured_speedup",
+                        lambda probe, dtype: Measurement("bfloat16", speedup, 1.0, rounds=3))
     for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(cpu_module, "_cpu_flags", lambda: {"avx2": True, **flags})
@@ -270,6 +276,8 @@ def fake_cpu(monkeypatch, cpu: tuple[dict[str, bool], str]) -> None:
     (ZEN4, BOTH, [], ("onnxruntime", "m.int8.onnx", "int8")),
     (ZEN4, {"float32": "m.onnx"}, [], ("pytorch", "", "bfloat16")),
     (ZEN4, {}, [], ("pytorch", "", "bfloat16")),
+    (NO_AMX, {"float32": "m.onnx"}, [], ("onnxruntime", "m.onnx", "float32")),  # bfloat16 measured slower
+    (NO_AMX, {}, [], ("pytorch", "", "float32")),
     (ZEN4, {"float32": "m.onnx"}, ["TEST.AMP.ENABLED", "False"], ("onnxruntime", "m.onnx", "float32")),
     (ICE_LAKE, BOTH, [], ("onnxruntime", "m.int8.onnx", "int8")),
     (ICE_LAKE, {"float32": "m.onnx"}, [], ("onnxruntime", "m.onnx", "float32")),
@@ -303,7 +311,7 @@ def test_emulated_bfloat16_is_warned_about_only_when_pytorch_runs_it(monkeypatch
         choice = choose_backend(cfg, {})
         assert not caplog.records
         assert (choice.backend, choice.precision) == ("pytorch", "bfloat16")
-        assert inference_precision(cfg, torch.device("cpu")).name == "bfloat16"  # the PyTorch run's own decision
+        assert inference_precision(cfg, build_model(cfg)).name == "bfloat16"  # the PyTorch run's own decision
     assert len(caplog.records) == 1 and caplog.records[0].getMessage().startswith(
         "TEST.AMP.ENABLED True asks for bfloat16 autocast, which this CPU does not run natively")
 

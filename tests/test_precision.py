@@ -21,6 +21,7 @@ from pet.config import load_cfg
 from pet.engine import precision as precision_module
 from pet.engine.inference import inference_on_dataset, inference_precision
 from pet.engine.precision import choose_precision
+from pet.engine.speed_probe import Measurement, SpeedProbe
 from pet.engine.trainer import Trainer
 from pet.utils import cpu as cpu_module
 from pet.utils.cpu import NativeSupport, cpu_class, cpu_int8_support, cpu_native_support
@@ -96,6 +97,13 @@ def test_explicit_true_on_a_cpu_without_native_bf16_runs_bf16_and_warns_once(tmp
     assert "Set SOLVER.AMP.ENABLED auto (or False)" in log
 
 
+# Where the instructions exist, auto measures (tests/test_speed_probe.py); here the measurement says bfloat16 is 2x.
+def twice_as_fast(probe, dtype):
+    return Measurement("bfloat16", 1.0, 0.5, rounds=3)
+
+
+def no_step():
+    return SpeedProbe(lambda autocast: None, "no step")
 BF16 = {"avx512_bf16": True, "amx_tile": False}
 AMX = {"avx512_bf16": False, "amx_tile": True}
 NONE = {"avx512_bf16": False, "amx_tile": False}
@@ -124,7 +132,8 @@ def test_native_bf16_needs_the_instructions_and_no_cap_below_them(monkeypatch, f
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     support = cpu_native_support("bfloat16")
     assert support.native is native, support.reason
-    chosen = choose_precision("auto", "auto", "cpu", training=True)
+    monkeypatch.setattr(precision_module, "measured_speedup", twice_as_fast)
+    chosen = choose_precision("auto", "auto", "cpu", training=True, probe=no_step)
     assert chosen.dtype == (torch.bfloat16 if native else None)
     assert support.reason in chosen.reason
 
@@ -148,7 +157,8 @@ def test_int8_support_is_the_vnni_flags_whatever_the_isa_caps(monkeypatch, flags
 def test_auto_follows_the_native_support_rule(monkeypatch, native):
     monkeypatch.setattr(precision_module, "cpu_native_support",
                         lambda dtype: NativeSupport(dtype, native, "as the test says"))
-    chosen = choose_precision("auto", "auto", "cpu", training=True)
+    monkeypatch.setattr(precision_module, "measured_speedup", twice_as_fast)
+    chosen = choose_precision("auto", "auto", "cpu", training=True, probe=no_step)
     assert chosen.dtype == (torch.bfloat16 if native else None)
     assert not chosen.grad_scaler
     assert choose_precision(False, "auto", "cpu", training=True).dtype is None
@@ -223,15 +233,16 @@ def test_the_train_step_and_the_test_loop_run_under_the_chosen_precision(tmp_pat
     model.seen.clear()
     batches = [(torch.randn(2, 4), torch.randn(2, 1))]
     evaluator = Collect()
-    inference_on_dataset(model, batches, evaluator, precision=inference_precision(cfg, torch.device("cpu")))
+    inference_on_dataset(model, batches, evaluator, precision=inference_precision(cfg, model))
     assert model.seen == [expected]
     assert evaluator.dtype == (expected or torch.float32)
 
 
-def test_this_machine_gets_bfloat16_exactly_when_its_own_flags_and_caps_allow_it():
+def test_this_machine_measures_exactly_when_its_own_flags_and_caps_allow_bfloat16(monkeypatch):
     """On the machine running the suite, against the kernel's list of CPU flags (not torch's, not Pet's):
-    ``auto`` must pick bfloat16 on a CPU with AVX512_BF16 or AMX unless a cap set for this run holds it
-    below them, and float32 otherwise. "Never bfloat16" fails here on every native-bf16 machine."""
+    ``auto`` must measure (and then follow the measurement) on a CPU with AVX512_BF16 or AMX unless a cap set for
+    this run holds it below them, and pick float32 without measuring otherwise. "Never measure" fails here on
+    every machine with bfloat16 instructions."""
     flags = cpuinfo_flags()
     has_instructions = bool({"avx512_bf16", "amx_tile"} & flags)
     onednn_cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
@@ -240,6 +251,10 @@ def test_this_machine_gets_bfloat16_exactly_when_its_own_flags_and_caps_allow_it
                                 "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2"}
     aten_capped = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in {"avx2", "avx", "default"}
     expected = has_instructions and keeps_bf16 and not aten_capped
-    chosen = choose_precision("auto", "auto", "cpu", training=True)
+    measured = []
+    monkeypatch.setattr(precision_module, "measured_speedup",
+                        lambda probe, dtype: measured.append(probe) or Measurement("bfloat16", 1.0, 0.5, rounds=3))
+    chosen = choose_precision("auto", "auto", "cpu", training=True, probe=no_step)
     assert chosen.dtype == (torch.bfloat16 if expected else None), chosen.reason
+    assert len(measured) == int(expected)
     assert (cpu_class() == "AVX-512 BF16") is expected

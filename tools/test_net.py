@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from pet.cli import build_test_model, default_argument_parser, default_setup, launch_cli  # noqa: E402
 from pet.deploy.backend import resolve_backend  # noqa: E402
 from pet.engine.build import build_test_hooks  # noqa: E402
-from pet.engine.inference import evaluate_on_datasets  # noqa: E402
+from pet.engine.inference import evaluate_on_datasets, inference_precision  # noqa: E402
 from pet.engine.metrics import flatten_metrics  # noqa: E402
 from pet.evaluation import DetectionVisualizer, evaluate_results_file  # noqa: E402
 from pet.evaluation.coco import write_json_atomic  # noqa: E402
@@ -88,11 +88,15 @@ def main() -> None:
     test_hook, hooks = build_test_hooks(cfg, args.cfg_file)
     if args.vis > 0:
         hooks.append(DetectionVisualizer(cfg.CKPT, num_images=args.vis))
-    metrics = evaluate_on_datasets(cfg, model, output_dir, test_hook, hooks)
+    precision = inference_precision(cfg, model)
+    metrics = evaluate_on_datasets(cfg, model, output_dir, test_hook, hooks, precision=precision)
     # Every rank timed its own shard: keep each rank's summary and their combination.
     per_rank = comm.all_gather_object(test_hook.speed_summary())
     if comm.is_main_process():
-        report = {"metrics": metrics, "speed": test_hook.speed_summary()}
+        # onnxruntime computes in float32 (an int8 export: int8) whatever TEST.AMP says.
+        computed = precision.name if backend == "pytorch" else (choice.precision if choice else "export's own")
+        report = {"metrics": metrics, "speed": test_hook.speed_summary(), "backend": backend, "precision": computed,
+                  "precision_reason": precision.reason if backend == "pytorch" else choice.reason if choice else ""}
         if len(per_rank) > 1:
             report["speed_per_rank"] = {"ranks": per_rank, "combined": combine_speed(per_rank)}
         write_json_atomic(os.path.join(output_dir, "metrics.json"), report)

@@ -28,7 +28,7 @@ import numpy as np
 
 from pet.utils.files import atomic_path
 
-__all__ = ["SHAPE_CLASSES", "generate_shapes", "is_complete", "render_scene"]
+__all__ = ["SHAPE_CLASSES", "generate_shapes", "is_complete", "render_picture", "render_scene", "mask_polygons"]
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def _write_split(out_dir: str, split: str, count: int, seed: tuple[int, int], pa
     for image_id in range(1, count + 1):
         rng = np.random.default_rng([*seed, image_id])
         height, width = (int(v) for v in rng.integers(params["image_size"][0], params["image_size"][1] + 1, size=2))
-        image, objects = _render(rng, height, width, params["object_size"], params["max_objects"])
+        image, objects = render_picture(rng, height, width, params["object_size"], params["max_objects"])
         file_name = f"{image_id:06d}.jpg"
         cv2.imwrite(os.path.join(image_dir, file_name), image, [cv2.IMWRITE_JPEG_QUALITY, 92])
         images.append({"id": image_id, "file_name": file_name, "height": height, "width": width})
@@ -131,7 +131,7 @@ def _write_split(out_dir: str, split: str, count: int, seed: tuple[int, int], pa
             annotations.append({
                 "id": len(annotations) + 1, "image_id": image_id, "category_id": label + 1,
                 "bbox": [x, y, w, h], "area": int(np.count_nonzero(mask)), "iscrowd": 0,
-                "segmentation": _polygons(mask),
+                "segmentation": mask_polygons(mask),
             })
     coco = {
         "info": {"description": f"Pet shapes demo set ({split})", "version": str(_GENERATOR_VERSION)},
@@ -143,7 +143,7 @@ def _write_split(out_dir: str, split: str, count: int, seed: tuple[int, int], pa
         json.dump(coco, f)
 
 
-def _render(
+def render_picture(
     rng: np.random.Generator, height: int, width: int, object_size: list[int], max_objects: int
 ) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
     """One BGR image and its objects as ``(class index, visible mask)``."""
@@ -301,6 +301,6 @@ def _contrasting_colour(rng: np.random.Generator, image: np.ndarray, mask: np.nd
     return tuple(int(c) for c in colour)
 
 
-def _polygons(mask: np.ndarray) -> list[list[float]]:
+def mask_polygons(mask: np.ndarray) -> list[list[float]]:
     contours, _ = cv2.findContours(mask, cv2.RETR_EXTERNAL, cv2.CHAIN_APPROX_SIMPLE)
     return [c.reshape(-1).astype(float).tolist() for c in contours if len(c) >= 3]

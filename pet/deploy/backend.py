@@ -2,15 +2,17 @@
 
 On a GPU (``DEVICE``) the answer is PyTorch; the rest is about CPUs.
 
-:func:`choose_backend` picks from what the CPU is (native bfloat16, VNNI: :mod:`pet.utils.cpu`) and which
-exports exist (:func:`exported_models`), never from a timing probe, so one class of machine always makes the same
-choice. The ranking is the one measured in docs/BENCHMARKS.md ("CPU inference: which backend"); on the
-AVX-512 BF16 + VNNI machine there, from fastest:
+:func:`choose_backend` picks from what the CPU is (VNNI: :mod:`pet.utils.cpu`), which precision PyTorch runs the
+model in here (``TEST.AMP``, :mod:`pet.engine.precision`: where bfloat16 instructions exist, measured once per
+machine and model and cached, so one machine always makes the same choice) and which exports exist
+(:func:`exported_models`). The ranking is the one measured in docs/BENCHMARKS.md ("CPU inference: which
+backend"); on the AVX-512 BF16 + VNNI machine there, from fastest:
 
 1. onnxruntime int8 (``CKPT/model.int8.onnx``, tools/export.py --int8): only on a CPU with VNNI, where it was
    measured fastest and where its products cannot saturate (without VNNI, AVX2's u8 x s8 path can, unless the
    model was quantized there with 7-bit weights; its speed there is not measured);
-2. PyTorch in bfloat16, where the CPU runs it natively (``TEST.AMP`` auto decides, :mod:`pet.engine.precision`);
+2. PyTorch in bfloat16, where ``TEST.AMP`` auto measured it clearly faster than float32 for this model (or
+   ``TEST.AMP.ENABLED True`` on a CPU that runs it natively);
 3. onnxruntime float32 (``CKPT/model.onnx``, tools/export.py): 0.5-0.8x PyTorch float32's time;
 4. PyTorch float32.
 
@@ -33,10 +35,13 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
 from fvcore.common.config import CfgNode
 
 from pet.config import default_weights, load_cfg
-from pet.engine.models import resolve_device
+from pet.engine.build import prepare_model
+from pet.engine.inference import inference_precision
+from pet.engine.models import build_model, resolve_device
 from pet.engine.precision import choose_precision
 from pet.utils.cpu import cpu_int8_support, cpu_native_support
 from pet.utils.errors import ConfigError
@@ -138,14 +143,18 @@ def _metadata(path: str) -> dict[str, str]:
     return {prop.key: prop.value for prop in model.metadata_props}
 
 
-def choose_backend(cfg: CfgNode, available: Mapping[str, str], passed_over: Sequence[str] = ()) -> BackendChoice:
+def choose_backend(cfg: CfgNode, available: Mapping[str, str], passed_over: Sequence[str] = (),
+                   model: torch.nn.Module | None = None) -> BackendChoice:
     """The fastest backend for this CPU among PyTorch and the ONNX files in ``available`` (``{"float32": path,
     "int8": path}``, e.g. :func:`exported_models`), by the ranking in the module docstring. ``passed_over``: why
-    exports were left out of ``available``, which the reason then starts with."""
+    exports were left out of ``available``, which the reason then starts with. ``model``: the PyTorch model whose
+    precision is weighed (default: the config's, built here; its weights do not change the decision)."""
     device = resolve_device(cfg.DEVICE)
+    if model is None and device.type == "cpu":
+        model = prepare_model(build_model(cfg), cfg, device)
     # warn=False: an export may run instead; the PyTorch run warns about emulated bfloat16 itself if it is chosen.
-    pytorch = choose_precision(cfg.TEST.AMP.ENABLED, cfg.TEST.AMP.DTYPE, device, training=False, key="TEST.AMP",
-                               warn=False)
+    pytorch = (inference_precision(cfg, model, warn=False) if model is not None else
+               choose_precision(cfg.TEST.AMP.ENABLED, cfg.TEST.AMP.DTYPE, device, training=False, key="TEST.AMP"))
     if device.type != "cpu":
         return BackendChoice("pytorch", "", pytorch.name, f"DEVICE {cfg.DEVICE} runs on {device.type}; the exports "
                                                           "run on the CPU")
@@ -167,7 +176,8 @@ def choose_backend(cfg: CfgNode, available: Mapping[str, str], passed_over: Sequ
         return BackendChoice("pytorch", "", pytorch.name, "; ".join([*skipped, reason]))
     precision = pytorch.reason if autocast is None else f"{pytorch.reason}, emulated: {autocast.reason}"
     if "float32" in available and onnxruntime:
-        reason = f"no native bfloat16 ({precision}): onnxruntime float32 is faster than PyTorch float32"
+        reason = (f"PyTorch would run {pytorch.name} ({precision}): onnxruntime float32 is faster than that "
+                  "(docs/BENCHMARKS.md)")
         return BackendChoice("onnxruntime", available["float32"], "float32", "; ".join([*skipped, reason]))
     missing = "no export of these weights" if "float32" not in available else "onnxruntime is not installed"
     reason = f"{precision}, and {missing} (tools/export.py writes {os.path.join(cfg.CKPT, 'model.onnx')})"

@@ -16,11 +16,13 @@ import torch
 from fvcore.common.config import CfgNode
 
 from pet.data import DatasetMapper, build_test_loader
+from pet.data.synthetic import synthetic_batch
 from pet.data.workers import watched
 from pet.engine.inference_timer import InferenceTimer
 from pet.engine.metrics import flatten_metrics
 from pet.engine.models import build_evaluator, call_model, model_device
 from pet.engine.precision import Precision, choose_precision
+from pet.engine.speed_probe import model_probe
 from pet.utils import comm
 from pet.utils.rng import get_rng_state, set_rng_state
 from pet.utils.tensor import move_to_device
@@ -163,9 +165,12 @@ def validation_loss(model: torch.nn.Module, data_loader: Iterable[Any], precisio
     return comm.reduce_scalars({name: value / max(batches, 1) for name, value in sums.items()})
 
 
-def inference_precision(cfg: CfgNode, device: torch.device) -> Precision:
-    """Inference precision from ``TEST.AMP`` (the rule of :mod:`pet.engine.precision`)."""
-    return choose_precision(cfg.TEST.AMP.ENABLED, cfg.TEST.AMP.DTYPE, device, training=False, key="TEST.AMP")
+def inference_precision(cfg: CfgNode, model: torch.nn.Module, *, warn: bool = True) -> Precision:
+    """Inference precision of ``model`` from ``TEST.AMP`` (the rule of :mod:`pet.engine.precision`; where it has to
+    measure, a no-grad forward on a generated test batch of ``cfg``'s shape)."""
+    return choose_precision(cfg.TEST.AMP.ENABLED, cfg.TEST.AMP.DTYPE, model_device(model), training=False,
+                            key="TEST.AMP", warn=warn,
+                            probe=lambda: model_probe(model, synthetic_batch(cfg, training=False), training=False))
 
 
 def evaluate_on_datasets(
@@ -174,15 +179,17 @@ def evaluate_on_datasets(
     output_dir: str,
     test_hook: InferenceTimer | None = None,
     hooks: Iterable[TestCallback] = (),
+    precision: Precision | None = None,
 ) -> dict[str, float]:
     """Evaluate on every ``TEST.DATASETS`` entry; flat ``{"bbox/AP": ...}`` metrics.
 
     With ``TEST.VAL_LOSS`` the losses of the model's training forward on the same images
     (:func:`validation_loss`) follow as ``loss/total_loss``, ``loss/<term>``. With several
-    datasets the names are prefixed: ``"coco_2017_val/bbox/AP"``.
+    datasets the names are prefixed: ``"coco_2017_val/bbox/AP"``. ``precision``: :func:`inference_precision`'s
+    decision unless given.
     """
     datasets = list(cfg.TEST.DATASETS)
-    precision = inference_precision(cfg, model_device(model))
+    precision = precision or inference_precision(cfg, model)
     logger.info(f"Test precision: {precision}")
     flat: dict[str, float] = {}
     for name in datasets:

@@ -1,31 +1,37 @@
 """Which precision a run computes in: bfloat16 or float16 autocast, or float32.
 
 ``SOLVER.AMP`` (training) and ``TEST.AMP`` (inference) default to ``ENABLED: auto``: the
-fastest precision that this hardware runs natively, decided from the CPU's own feature flags
-and the instruction-set caps in force, never from a timing probe, so one class of machine
-always gets the same precision (and the same AP):
+fastest precision for this model on this hardware.
 
-- CPU: bfloat16 autocast only where oneDNN runs it with native instructions
-  (:func:`pet.utils.cpu.cpu_native_support`: AVX512_BF16 or AMX, no instruction-set cap below them),
-  float32 otherwise. Without native support bfloat16 is emulated: the demo trained 2.3x slower
-  than float32 on AVX-512 without bfloat16 and ~11x on AVX2. (oneDNN's own "bf16 supported"
-  answer is True on AVX-512 without BF16, where it emulates, so it is not the test.)
+- CPU without bfloat16 instructions (no AVX512_BF16 or AMX, or an instruction-set cap below
+  them): float32, without measuring. bfloat16 would be emulated there: the demo trained 2.3x
+  slower than float32 on AVX-512 without bfloat16 and ~11x on AVX2. (oneDNN's own "bf16
+  supported" answer is True on AVX-512 without BF16, where it emulates, so it is not the test.)
+- CPU with bfloat16 instructions: the flags cannot tell whether bfloat16 *pays* (1.7x faster than
+  float32 for the demo on AMD Zen 4, 1.4x slower on an Intel part whose VM hides AMX), so the
+  configured model is timed in both precisions (:mod:`pet.engine.speed_probe`) and bfloat16 is
+  taken only when it is at least ``speed_probe.MARGIN`` times faster. The measurement is cached
+  per machine and model, so the same machine always makes the same choice; in a distributed run
+  rank 0 decides and every rank follows.
 - CUDA: float16 autocast, with a gradient scaler when training; bfloat16 (no scaler) when the
   user asks for ``DTYPE: bfloat16`` and the GPU supports it.
 - Anything else: float32.
 
 ``ENABLED: True`` forces autocast (warning once when the CPU would emulate it); ``False``
-forces float32.
+forces float32. The log line says which, and why (with the measured times).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from pet.engine.speed_probe import SpeedProbe, measured_speedup
+from pet.utils import comm
 from pet.utils.cpu import cpu_native_support
 from pet.utils.errors import ConfigError
 
@@ -63,12 +69,15 @@ class Precision:
 
 
 def choose_precision(enabled: Any, dtype: str, device: torch.device | str, *, training: bool,
-                     key: str = "SOLVER.AMP", warn: bool = True) -> Precision:
+                     key: str = "SOLVER.AMP", warn: bool = True,
+                     probe: Callable[[], SpeedProbe] | None = None) -> Precision:
     """Decide the precision for ``device`` from ``{key}.ENABLED`` (auto/True/False) and ``{key}.DTYPE``.
 
     ``dtype`` is "auto" (bfloat16 on CPU, float16 on CUDA), "bfloat16" or "float16" (the values
     :func:`pet.config.validate_cfg` admits). Raises :class:`ConfigError` for a choice the hardware
-    cannot run (bfloat16 on a GPU without it). ``warn`` False: only weighing it (``--backend auto``), not running it.
+    cannot run (bfloat16 on a GPU without it). ``probe`` makes the step to time where ``auto`` has to
+    measure (a CPU with the instructions: see the module docstring); without one, such a CPU gets
+    float32. ``warn`` False: only weighing it (``--backend auto``), not running it.
     """
     device_type = torch.device(device).type
     if enabled is False:
@@ -80,15 +89,28 @@ def choose_precision(enabled: Any, dtype: str, device: torch.device | str, *, tr
     name = "bfloat16" if dtype == "auto" else dtype
     support = cpu_native_support(name)
     if enabled == "auto":
-        if support.native:
-            return Precision("cpu", _DTYPES[name], False, f"{key}.ENABLED auto and {support.reason}")
-        return Precision("cpu", None, False, f"{key}.ENABLED auto and {support.reason}, so {name} would be "
-                                             "emulated, many times slower than float32")
+        if not support.native:
+            return Precision("cpu", None, False, f"{key}.ENABLED auto and {support.reason}, so {name} would be "
+                                                 "emulated, many times slower than float32")
+        return _measured_cpu_precision(name, key, support.reason, probe)
     if warn and not support.native:
         _warn_once(f"{key}.ENABLED True asks for {name} autocast, which this CPU does not run natively "
                    f"({support.reason}): torch emulates it, many times slower than float32. Set {key}.ENABLED "
                    "auto (or False) to train and test in float32 here.")
     return Precision("cpu", _DTYPES[name], False, f"{key}.ENABLED True")
+
+
+def _measured_cpu_precision(name: str, key: str, support: str, probe: Callable[[], SpeedProbe] | None) -> Precision:
+    """``name`` autocast where it is measured clearly faster than float32 for ``probe``'s model, else float32.
+    Rank 0 measures (or reads the cache) and every rank takes its decision."""
+    force = f"set {key}.ENABLED True or False to force one"
+    if probe is None:
+        return Precision("cpu", None, False, f"{key}.ENABLED auto and {support}, but no model was given to measure "
+                                             f"whether {name} is faster for it; {force}")
+    measurement = measured_speedup(probe(), _DTYPES[name]) if comm.is_main_process() else None
+    measurement = comm.broadcast_object(measurement)
+    reason = f"{key}.ENABLED auto and {support}; {measurement.describe()}; {force}"
+    return Precision("cpu", _DTYPES[name] if measurement.faster else None, False, reason)
 
 
 def _cuda_precision(enabled: Any, dtype: str, training: bool, key: str) -> Precision:

@@ -25,6 +25,7 @@ import torch
 from fvcore.common.config import CfgNode
 
 from pet.data import build_train_loader
+from pet.data.synthetic import synthetic_batch
 from pet.data.workers import WORKER_DIED_EXIT_CODE, remedy
 from pet.engine.build import build_train_hooks, prepare_model
 from pet.engine.checkpointer import Checkpointer
@@ -34,9 +35,11 @@ from pet.engine.loops import TrainLoop, WorkerDiedAtFetch, build_loop
 from pet.engine.models import build_model, resolve_device, unwrap_model
 from pet.engine.optim import build_lr_scheduler, build_optimizer
 from pet.engine.precision import choose_precision
+from pet.engine.speed_probe import model_probe
 from pet.engine.step import TrainStep
 from pet.utils import comm
 from pet.utils.errors import ConfigError, TrainingInterrupted
+from pet.utils.rng import get_rng_state, set_rng_state
 from pet.utils.tensor import move_to_device
 
 __all__ = ["Trainer"]
@@ -75,7 +78,8 @@ class Trainer:
             self.loop.max_iter, self.loop.max_epochs, self.loop.iters_per_epoch)
         self.optimizer = optimizer if optimizer is not None else build_optimizer(cfg, unwrap_model(self.model))
         self.scheduler = scheduler if scheduler is not None else build_lr_scheduler(cfg, self.optimizer, self.max_iter)
-        precision = choose_precision(cfg.SOLVER.AMP.ENABLED, cfg.SOLVER.AMP.DTYPE, self.device, training=True)
+        precision = choose_precision(cfg.SOLVER.AMP.ENABLED, cfg.SOLVER.AMP.DTYPE, self.device, training=True,
+                                     probe=lambda: model_probe(model, self._probe_batch(), training=True))
         logger.info(f"Training precision: {precision}")
         self.train_step = TrainStep(self.model, self.optimizer, precision, clip_grad_norm=cfg.SOLVER.CLIP_GRAD_NORM,
                                     skip_nonfinite=cfg.SOLVER.SKIP_NONFINITE)
@@ -89,6 +93,17 @@ class Trainer:
         self._loaded = False  # resume_or_load ran (train() runs it otherwise, as TRAIN.AUTO_RESUME says)
         if default_hooks:
             self.register_hooks(build_train_hooks(cfg, self))
+
+    def _probe_batch(self) -> Any:
+        """A batch to time a training step on (see :mod:`pet.engine.speed_probe`): a generated one shaped as the
+        config's loader shapes them, or the first batch of the caller's loader (the random generators restored)."""
+        if self.data_loader_from_cfg:
+            return synthetic_batch(self.cfg, training=True)
+        rng = get_rng_state()
+        try:
+            return next(iter(self.data_loader))
+        finally:
+            set_rng_state(rng)
 
     @property
     def iter(self) -> int:

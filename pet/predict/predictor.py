@@ -184,7 +184,7 @@ class Predictor:
         self._category_ids = np.array((0, *self.label_space.category_ids), dtype=np.int64)
         device = model_device(self.model)
         self.precision = (Precision(device.type, None, False, "onnxruntime computes in float32")
-                          if backend == "onnxruntime" else inference_precision(self.cfg, device))
+                          if backend == "onnxruntime" else inference_precision(self.cfg, self.model))
         self.stats: PredictStats | None = None
         self._warned_masks = False
         logger.info(f"Predicting with {model_file} ({self.label_space.num_classes} classes: "

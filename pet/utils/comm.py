@@ -49,6 +49,15 @@ def any_process(flag: bool) -> bool:
     return bool(tensor.item())
 
 
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (what the others pass is ignored); ``obj`` itself in one process."""
+    if get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 def all_gather_object(obj: Any) -> list[Any]:
     """``[obj of rank 0, obj of rank 1, ...]`` on every rank.
 

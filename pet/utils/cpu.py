@@ -1,20 +1,25 @@
-"""What this CPU runs natively: bfloat16 / float16 (oneDNN, torch) and 8-bit integer dot products (VNNI).
+"""What this CPU has: bfloat16 / float16 instructions (oneDNN, torch), 8-bit integer dot products (VNNI).
 
-Decided from the CPU's own feature flags, as torch reads them from CPUID, and the instruction-set
-caps in force, never from a timing probe, so one class of machine always gets the same answer.
-That gives three classes of CPU (:func:`cpu_class`): "AVX2" (most laptops, many cloud VMs), "AVX-512"
-without bfloat16 (Intel Skylake-SP to Ice Lake) and "AVX-512 BF16" (AMD Zen 4+, Intel Cooper Lake,
-Sapphire Rapids+). The run's precision (:mod:`pet.engine.precision`), the deployment backend
-(:mod:`pet.deploy.backend`, :mod:`pet.deploy.int8`) and every benchmark's machine fingerprint read it here.
+Read from the CPU's own feature flags, as torch reads them from CPUID, and the instruction-set caps in
+force. Flags say which instructions *exist*, not which precision is *faster* for a model: where bfloat16
+instructions exist, :mod:`pet.engine.speed_probe` measures. That gives the classes of CPU that speed figures
+are labelled with (:func:`cpu_class`): "AVX2" (most laptops, many cloud VMs), "AVX-512" without bfloat16
+(Intel Skylake-SP to Ice Lake) and "AVX-512 BF16" (AMD Zen 4+, Intel Cooper Lake, Sapphire Rapids+, with or
+without AMX). The run's precision (:mod:`pet.engine.precision`), the deployment backend
+(:mod:`pet.deploy.backend`, :mod:`pet.deploy.int8`) and every benchmark's machine fingerprint read it here;
+:func:`machine_fingerprint` keys the measured precision decisions.
 """
 from __future__ import annotations
 
 import os
+import platform
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["NativeSupport", "cpu_native_support", "cpu_has_native", "cpu_int8_support", "cpu_class"]
+__all__ = ["NativeSupport", "cpu_native_support", "cpu_has_native", "cpu_int8_support", "cpu_class",
+           "machine_fingerprint"]
 
 
 # oneDNN's instruction sets, lowest first (the names ONEDNN_MAX_CPU_ISA takes; aliases share a rank).
@@ -105,6 +110,33 @@ def cpu_class() -> str:
     if capability.startswith("AVX512") and _ONEDNN_ISA_RANK.get(cap, 99) >= _ONEDNN_ISA_RANK["AVX512_CORE"]:
         return "AVX-512"
     return "AVX2" if capability.startswith("AVX") else capability
+
+
+def machine_fingerprint() -> dict[str, Any]:
+    """What a timing on this machine depends on besides the model: the CPU's model name and feature flags, the
+    instruction-set caps in force, torch's version and CPU capability, and the threads torch computes with."""
+    flags = _cpu_flags()
+    return {
+        "cpu": cpu_model_name(),
+        "flags": sorted(name for name, present in (flags or {}).items() if present),
+        "caps": {var: os.environ.get(var, "") for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
+                                                          "ATEN_CPU_CAPABILITY")},
+        "torch": torch.__version__,
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name as the OS reports it (``/proc/cpuinfo`` on Linux), else ``platform.processor()``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _onednn_cap() -> tuple[str | None, str]:

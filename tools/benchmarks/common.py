@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import os
-import platform
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torchvision
 
-from pet.utils.cpu import cpu_class, cpu_has_native, cpu_int8_support
+from pet.utils.cpu import cpu_class, cpu_has_native, cpu_int8_support, cpu_model_name, cpu_native_support
 
 __all__ = ["interleaved", "fingerprint", "format_fingerprint", "process_tree_rss"]
 
@@ -33,12 +32,9 @@ def interleaved(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, l
 
 def fingerprint() -> dict[str, Any]:
     """The machine as it affects speed: CPU model, torch's CPU capability, native bfloat16, VNNI, threads, versions."""
-    model = platform.processor() or platform.machine()
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
     return {
-        "cpu": model, "cores": os.cpu_count(), "cpu_class": cpu_class(),
+        "cpu": cpu_model_name(), "cores": os.cpu_count(), "cpu_class": cpu_class(),
+        "bfloat16": cpu_native_support("bfloat16").reason,
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "native_bfloat16": cpu_has_native("bfloat16"), "vnni": cpu_int8_support().native,
         "int8_support": cpu_int8_support().reason, "threads": torch.get_num_threads(),

@@ -37,6 +37,7 @@ from torchvision.ops.feature_pyramid_network import LastLevelMaxPool, LastLevelP
 from benchmarks.common import format_fingerprint, interleaved
 from pet.config import load_cfg
 from pet.engine.precision import Precision, choose_precision
+from pet.engine.speed_probe import model_probe
 from pet.modeling import build_model
 
 __all__ = ["ARCHS", "detectors", "add_arguments"]
@@ -169,8 +170,10 @@ def _seconds_per_call(fn: Callable[[], Any], iters: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
-def _arch_cases(arch: str, args: argparse.Namespace, precision: Precision) -> tuple[dict, dict]:
-    """``case -> (Pet's step, torchvision's step, seconds-to-unit factor)`` and the inputs' description."""
+def _arch_cases(arch: str, args: argparse.Namespace) -> tuple[dict, dict]:
+    """``case -> (Pet's step, torchvision's step, seconds-to-unit factor)`` and the inputs' description, with the
+    precision both sides run in: ``--precision``, where ``auto`` is Pet's rule for this model on this CPU (measured
+    on Pet's model where the CPU has bfloat16 instructions, as a training or test run decides)."""
     size, batch = (DEMO_SIZE, DEMO_BATCH) if arch == "demo" else (tuple(args.size[-2:]), args.batch)
     pet_model, reference = _model_pair(arch, size, args.memory_format)
     images, targets = _random_scene(batch, size, 3 if arch == "demo" else 80)
@@ -178,7 +181,12 @@ def _arch_cases(arch: str, args: argparse.Namespace, precision: Precision) -> tu
         targets = _with_masks(targets, size)
     tv_images = [im[:, :size[0], :size[1]].float() / 255 for im in images]
     tv_targets = [{k: t[k] for k in ("boxes", "labels", "masks") if k in t} for t in targets]
-    described = {"size": list(size), "batch": batch}
+    training = args.command == "train"
+    precision = choose_precision(args.precision, "auto", "cpu", training=training,
+                                 key="SOLVER.AMP" if training else "TEST.AMP",
+                                 probe=lambda: model_probe(pet_model, (images, targets), training=training))
+    described = {"size": list(size), "batch": batch, "precision": precision.name,
+                 "precision_reason": precision.reason}
     if args.command == "train":
         return {f"train b{batch}": (partial(_train_step, pet_model, precision, images, targets),
                                     partial(_train_step, reference, precision, tv_images, tv_targets), 1.0)}, described
@@ -195,20 +203,18 @@ def _arch_cases(arch: str, args: argparse.Namespace, precision: Precision) -> tu
 
 def detectors(args: argparse.Namespace, fingerprint: dict) -> dict:
     """Time each architecture's cases, Pet and torchvision in alternating order; medians and ratios."""
-    training = args.command == "train"
-    precision = choose_precision(args.precision, "auto", "cpu", training=training,
-                                 key="SOLVER.AMP" if training else "TEST.AMP")
-    result: dict = {"precision": precision.name, "precision_reason": precision.reason,
-                    "memory_format": args.memory_format, "iters": args.iters, "repeats": args.repeats, "archs": {}}
+    result: dict = {"memory_format": args.memory_format, "iters": args.iters, "repeats": args.repeats, "archs": {}}
     unit = "s/iter" if args.command == "train" else "ms/image"
     print(format_fingerprint(fingerprint))
-    print(f"{args.command}: {precision} on both sides; {args.memory_format} on both sides; random images with "
+    print(f"{args.command}: the same precision on both sides (--precision {args.precision}; the column says which); "
+          f"{args.memory_format} on both sides; random images with "
           f"4 boxes each; median of {args.repeats} alternating rounds of {args.iters} call(s) after one warm-up "
           f"call ({unit}; the demo at {DEMO_BATCH}x{DEMO_SIZE[0]}x{DEMO_SIZE[1]}, R-50 at "
           f"{args.batch}x{args.size[0]}x{args.size[-1]})")
-    print(f"{'model':<12} {'case':<10} {'Pet':>10} {'torchvision':>12} {'Pet/tv':>8} {'dets/img Pet, tv':>17}")
+    print(f"{'model':<12} {'case':<10} {'precision':<9} {'Pet':>10} {'torchvision':>12} {'Pet/tv':>8} "
+          f"{'dets/img Pet, tv':>17}")
     for arch in args.arch:
-        cases, described = _arch_cases(arch, args, precision)
+        cases, described = _arch_cases(arch, args)
         result["archs"][arch] = {**described, "cases": {}}
         dets = described.get("detections_per_image")
         for case, (pet_fn, tv_fn, factor) in cases.items():
@@ -221,7 +227,8 @@ def detectors(args: argparse.Namespace, fingerprint: dict) -> dict:
             result["archs"][arch]["cases"][case] = row
             unit_name = "s" if case.startswith("train") else "ms"
             dets_text = f"{dets['pet']}, {dets['torchvision']}" if dets else ""
-            print(f"{arch:<12} {case:<10} {row['pet']:>8.3f} {unit_name:<2}{row['torchvision']:>9.3f} {unit_name:<2} "
+            print(f"{arch:<12} {case:<10} {described['precision']:<9} {row['pet']:>8.3f} {unit_name:<2}"
+                  f"{row['torchvision']:>9.3f} {unit_name:<2} "
                   f"{row['ratio']:>7.2f} {dets_text:>17}", flush=True)
     return result
 
