@@ -27,7 +27,7 @@ from pet.data import register_coco_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFGS = os.path.join(ROOT, "cfgs")
-DEMO_CFG = os.path.join(CFGS, "shapes", "faster_rcnn_R-18-FPN.yaml")
+DEMO_CFG = os.path.join(CFGS, "shapes", "faster_rcnn_R-10-FPN.yaml")
 
 # The cores a test may use (the suite runs on 2-core machines); a run of N processes gets 2 // N threads each.
 _CORES = 2

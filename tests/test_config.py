@@ -88,8 +88,8 @@ def test_odd_number_of_overrides():
 
 
 def test_default_output_dir_mirrors_cfgs_tree():
-    assert default_output_dir("cfgs/shapes/faster_rcnn_R-18-FPN.yaml") == os.path.join(
-        "ckpts", "shapes", "faster_rcnn_R-18-FPN")
+    assert default_output_dir("cfgs/shapes/faster_rcnn_R-10-FPN.yaml") == os.path.join(
+        "ckpts", "shapes", "faster_rcnn_R-10-FPN")
     assert default_output_dir("/somewhere/else/my.yaml") == os.path.join("ckpts", "my")
 
 

@@ -1,7 +1,7 @@
 """SIGKILL a real detector's training before its first checkpoint and at three seeded iterations; the same command
 restarts it each time and it ends bit for bit as an uninterrupted run.
 
-The demo's Faster R-CNN R-18-FPN (fp32) trains through ``tools/train_net.py`` on a tiny generated shapes set.
+The demo's Faster R-CNN R-10-FPN (fp32) trains through ``tools/train_net.py`` on a tiny generated shapes set.
 ``kill_plugins.KillAt`` (given through ``HOOKS.CUSTOM``) SIGKILLs the process after the step of each kill
 point, before that step's metrics or checkpoint are written, so every restart resumes from an earlier
 checkpoint, or starts over when there is none yet, and trains some iterations again. The first kill comes at
