@@ -17,7 +17,6 @@ MOVED = {
     "pet.engine.common": ("pet.engine.models", "unwrap_model"),
     "pet.engine.timing": ("pet.engine.inference_timer", "InferenceTimer"),
     "pet.engine.defaults": ("pet.cli", "build_trainer"),
-    "pet.engine.hooks.test_hook": ("pet.engine.hooks", "TestHook"),
     "pet.engine.hooks.misc": ("pet.engine.hooks", "ProfilerHook"),
     "pet.engine.hooks.common": ("pet.engine.hooks", "PreciseBN"),
 }
