@@ -38,3 +38,19 @@ def test_pet_itself_imports_no_deprecated_path():
     proc = subprocess.run([sys.executable, "-W", "error::DeprecationWarning:pet", "-c", code], capture_output=True,
                           text=True, check=True, env={**os.environ, "PYTHONPATH": ROOT})
     assert not set(MOVED) & set(proc.stdout.split())
+
+
+def test_the_visualizer_hooks_old_name_warns_and_gives_the_renamed_class(caplog):
+    """``DetectionVisualizer`` (before 0.2.0) is VisualizationHook until 0.3.0: imported, or named in TEST.HOOKS."""
+    import pet.evaluation
+    from pet.engine.hooks import HOOKS
+
+    with pytest.warns(DeprecationWarning, match=r"pet\.evaluation\.VisualizationHook.*0\.3\.0"):
+        old = pet.evaluation.DetectionVisualizer
+    assert old is pet.evaluation.VisualizationHook
+    with caplog.at_level("WARNING", logger="pet.utils.registry"):
+        assert HOOKS.get("DetectionVisualizer") is pet.evaluation.VisualizationHook
+    assert [r.getMessage() for r in caplog.records] == [
+        "hook 'DetectionVisualizer' is now called 'VisualizationHook'; the old name goes in Pet 0.3.0."]
+    with pytest.raises(AttributeError):
+        pet.evaluation.NoSuchName  # noqa: B018 - the module's __getattr__ still refuses unknown names

@@ -26,6 +26,7 @@ from pet.engine.build import build_train_hooks
 from pet.engine.checkpoint import load_checkpoint
 from pet.engine.events import read_metrics
 from pet.engine.hooks import (
+    HOOKS,
     EarlyStoppingHook,
     EMAHook,
     EvalHook,
@@ -260,6 +261,21 @@ def test_default_hook_order(make_cfg):
         "EarlyStoppingHook", "PeriodicWriter", "CheckpointHook"]
     assert not any(isinstance(h, SyncBuffersHook) for h in build_train_hooks(cfg, trainer))  # one process
     assert not any(isinstance(h, EvalHook) for h in toy_trainer(make_cfg()).hooks)  # EVAL_PERIOD 0
+
+
+def test_every_built_in_hook_is_named_hook_but_the_four_pet_users_know():
+    """Hook classes end in ``Hook``; IterationTimer, LRScheduler, PeriodicWriter and PreciseBN keep Pet's and
+    detectron2's names. Checked over the registry (train and test hooks), so a new hook cannot slip by."""
+    import pet.engine.hooks as hooks
+    import pet.evaluation  # noqa: F401 - registers its test hook
+
+    bases = (TrainHook, hooks.TestCallback)
+    exported = {name for name in hooks.__all__ if isinstance(getattr(hooks, name), type)
+                and issubclass(getattr(hooks, name), bases) and getattr(hooks, name) not in bases}
+    names = exported | {name for name, _ in HOOKS}
+    assert {"CheckpointHook", "TestHook", "VisualizationHook"} <= names
+    assert {name for name in names if not name.endswith("Hook")} == {
+        "IterationTimer", "LRScheduler", "PeriodicWriter", "PreciseBN"}
 
 
 def test_profiler_writes_a_table_and_empty_cache_is_harmless_on_cpu(cfg_for, caplog, monkeypatch):
