@@ -256,7 +256,7 @@ _BAD_DATA = {
 
 def _train_opts(tmp_path, name: str, json_file: str, image_dir: str) -> list[str]:
     return ["--cfg", DEMO_CFG, "CKPT", tmp_path / "run", *single_dataset_opts(json_file, image_dir, name),
-            "MODEL.NUM_CLASSES", 1, "SOLVER.IMS_PER_BATCH", 2, "SOLVER.MAX_ITER", 2, "TEST.EVAL_PERIOD", 0,
+            "MODEL.NUM_CLASSES", 1, "SOLVER.IMS_PER_BATCH", 2, "SOLVER.MAX_ITER", 2, "HOOKS.EVAL.PERIOD", 0,
             "TRAIN.AUTO_RESUME", False, "INPUT.MIN_SIZE_TRAIN", "(0,)"]
 
 

@@ -43,7 +43,7 @@ def _train_command(data: str, ckpt: str, *extra: str) -> list[str]:
     return ["train_net.py", "--cfg", DEMO_CFG, *_opts(data, ckpt), "SOLVER.MAX_ITER", str(MAX_ITER),
             "SOLVER.WARMUP_ITERS", "3", "SOLVER.AMP.ENABLED", "False", "HOOKS.CHECKPOINT.PERIOD", str(INTERVAL),
             "HOOKS.CHECKPOINT.MAX_KEEP", "1", "DISPLAY_ITER", "1", "TRAIN.USE_TENSORBOARD", "False",
-            "MODEL.FLOPS_INPUT_SIZE", "()", "TEST.EVAL_PERIOD", "0",
+            "MODEL.FLOPS_INPUT_SIZE", "()", "HOOKS.EVAL.PERIOD", "0",
             # One thread: on a busy 2-core machine two OpenMP threads made each step 4-8x slower.
             "NUM_THREADS", "1", *extra]
 
