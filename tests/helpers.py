@@ -84,7 +84,7 @@ def run_tool_here(monkeypatch: Any, capsys: Any, tool: str, *args: object) -> tu
 
 def custom_datasets(*datasets: tuple[str, str, str]) -> str:
     """The ``DATA.CUSTOM`` value that registers each ``(name, json file, image dir)``."""
-    entries = [f"{{'name': '{name}', 'json': '{json_file}', 'images': '{images}'}}"
+    entries = [f"{{'name': '{name}', 'path': '{json_file}', 'images': '{images}'}}"
                for name, json_file, images in datasets]
     return f"[{', '.join(entries)}]"
 
