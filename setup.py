@@ -1,5 +1,12 @@
 """Pet: a PyTorch toolbox for object detection and instance segmentation."""
+import os
+import re
+
 from setuptools import find_packages, setup
+
+# The version lives in pet/__init__.py (read as text: importing pet would need its dependencies).
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "pet", "__init__.py"), encoding="utf-8") as f:
+    _VERSION = re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
 
 # Optional features stay out of the base install; "test" pulls them all in so the suite
 # exercises them for real (offline W&B, a local MLflow store, onnxruntime on CPU).
@@ -18,7 +25,7 @@ _EXTRAS = {
 
 setup(
     name="pet",
-    version="0.1.0",
+    version=_VERSION,
     description="Pytorch Efficient Toolbox for detection and instance segmentation",
     packages=find_packages(include=["pet", "pet.*"]),
     python_requires=">=3.10",

@@ -5,4 +5,5 @@ import warnings
 # deprecates with a FutureWarning on every run; it says nothing about Pet's code.
 warnings.filterwarnings("ignore", message=r"`torch.jit.script` is deprecated", category=FutureWarning)
 
-__version__ = "0.1.0"
+# The release (CHANGELOG.md); setup.py reads it from here.
+__version__ = "0.2.0"

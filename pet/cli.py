@@ -54,7 +54,7 @@ def default_argument_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--unsafe-load", action="store_true",
                         help="load checkpoints with weights_only=False (only for files you trust)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None,
-                        help="accepted for torch.distributed.launch; torchrun sets LOCAL_RANK instead")
+                        help="deprecated, goes in Pet 0.3.0 (torch.distributed.launch's); torchrun sets LOCAL_RANK")
     parser.add_argument("opts", nargs=argparse.REMAINDER, metavar="KEY VALUE",
                         help="config overrides, e.g. SOLVER.BASE_LR 0.01")
     return parser
@@ -74,8 +74,10 @@ def init_distributed(local_rank: int | None = None, device: str = "auto") -> Non
 
     ``device`` is the config's ``DEVICE`` (resolved as the trainer does, per ``LOCAL_RANK``);
     on CUDA it becomes this process's current device and the backend is NCCL, else gloo.
+    ``local_rank`` is the deprecated ``--local_rank`` flag's value (until 0.3.0).
     """
     if local_rank is not None:
+        logger.warning("--local_rank is deprecated and goes in Pet 0.3.0: launch with torchrun, which sets LOCAL_RANK")
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return

@@ -27,7 +27,7 @@ from pet.data import register_coco_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFGS = os.path.join(ROOT, "cfgs")
-DEMO_CFG = os.path.join(CFGS, "shapes", "faster_rcnn_R-18-FPN.yaml")
+DEMO_CFG = os.path.join(CFGS, "shapes", "faster_rcnn_R-10-FPN.yaml")
 
 # The cores a test may use (the suite runs on 2-core machines); a run of N processes gets 2 // N threads each.
 _CORES = 2
@@ -84,7 +84,7 @@ def run_tool_here(monkeypatch: Any, capsys: Any, tool: str, *args: object) -> tu
 
 def custom_datasets(*datasets: tuple[str, str, str]) -> str:
     """The ``DATA.CUSTOM`` value that registers each ``(name, json file, image dir)``."""
-    entries = [f"{{'name': '{name}', 'json': '{json_file}', 'images': '{images}'}}"
+    entries = [f"{{'name': '{name}', 'path': '{json_file}', 'images': '{images}'}}"
                for name, json_file, images in datasets]
     return f"[{', '.join(entries)}]"
 

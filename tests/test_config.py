@@ -88,17 +88,19 @@ def test_odd_number_of_overrides():
 
 
 def test_default_output_dir_mirrors_cfgs_tree():
-    assert default_output_dir("cfgs/shapes/faster_rcnn_R-18-FPN.yaml") == os.path.join(
-        "ckpts", "shapes", "faster_rcnn_R-18-FPN")
+    assert default_output_dir("cfgs/shapes/faster_rcnn_R-10-FPN.yaml") == os.path.join(
+        "ckpts", "shapes", "faster_rcnn_R-10-FPN")
     assert default_output_dir("/somewhere/else/my.yaml") == os.path.join("ckpts", "my")
 
 
-def test_shipped_configs_load():
+def test_shipped_configs_load_without_old_key_names(caplog):
     root = os.path.join(os.path.dirname(__file__), "..", "cfgs")
     files = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".yaml")]
     assert files, "no config files shipped under cfgs/"
-    for path in files:
-        load_cfg(path)
+    with caplog.at_level("WARNING", logger="pet.config"):
+        for path in files:
+            load_cfg(path)
+    assert not [r.getMessage() for r in caplog.records if "is now called" in r.getMessage()]
 
 
 def test_iterations_and_epochs_together_are_rejected(tmp_path):
@@ -121,3 +123,37 @@ def test_a_renamed_key_still_loads_with_a_warning_naming_the_new_one(tmp_path, c
     assert [r.getMessage() for r in caplog.records] == [
         f"Config key '{old}' in {yaml_file} is now called '{new}'; please rename it.",
         f"Config key '{old}' in command line is now called '{new}'; please rename it."]
+
+
+def test_training_hook_settings_moved_under_hooks_still_load_with_one_warning_each(tmp_path, caplog):
+    """TEST.EVAL_PERIOD and the TEST.PRECISE_BN section drive training hooks: they are HOOKS.EVAL.PERIOD and
+    HOOKS.PRECISE_BN now; the old names load until 0.3.0, one warning per old key (a section's leaves count once)."""
+    old = write(tmp_path / "old.yaml", "TEST:\n  EVAL_PERIOD: 7\n  IMS_PER_BATCH: 2\n"
+                                        "  PRECISE_BN:\n    ENABLED: True\n    NUM_ITER: 3\n")
+    with caplog.at_level("WARNING", logger="pet.config"):
+        cfg = load_cfg(old, ["TEST.PRECISE_BN.PERIOD", "5", "TEST.EVAL_PERIOD", "9"])
+    assert cfg.HOOKS.EVAL.PERIOD == 9 and cfg.TEST.IMS_PER_BATCH == 2  # the command line still wins
+    assert dict(cfg.HOOKS.PRECISE_BN) == {"ENABLED": True, "PERIOD": 5, "NUM_ITER": 3}
+    assert "EVAL_PERIOD" not in cfg.TEST and "PRECISE_BN" not in cfg.TEST
+    assert [r.getMessage() for r in caplog.records] == [
+        f"Config key '{o}' in {source} is now called '{n}'; please rename it."
+        for source in (old, "command line")
+        for o, n in (("TEST.EVAL_PERIOD", "HOOKS.EVAL.PERIOD"), ("TEST.PRECISE_BN", "HOOKS.PRECISE_BN"))]
+
+
+def test_an_old_key_is_renamed_per_file_so_the_child_file_still_wins(tmp_path):
+    """A user's file with the old name overrides a shipped base with the new one, and the other way round."""
+    write(tmp_path / "new_base.yaml", "HOOKS:\n  EVAL:\n    PERIOD: 300\n")
+    old_child = write(tmp_path / "old_child.yaml", "_BASE_: new_base.yaml\nTEST:\n  EVAL_PERIOD: 50\n")
+    write(tmp_path / "old_base.yaml", "TEST:\n  EVAL_PERIOD: 50\n")
+    new_child = write(tmp_path / "new_child.yaml", "_BASE_: [old_base.yaml]\nHOOKS:\n  EVAL:\n    PERIOD: 20\n")
+    assert load_cfg(old_child).HOOKS.EVAL.PERIOD == 50
+    assert load_cfg(new_child).HOOKS.EVAL.PERIOD == 20
+
+
+def test_an_old_and_a_new_key_in_one_file_is_an_error_naming_both(tmp_path):
+    both = write(tmp_path / "both.yaml", "TEST:\n  EVAL_PERIOD: 5\nHOOKS:\n  EVAL:\n    PERIOD: 6\n")
+    with pytest.raises(ConfigError, match=r"sets both 'TEST\.EVAL_PERIOD' and its new name 'HOOKS\.EVAL\.PERIOD'"):
+        load_cfg(both)
+    with pytest.raises(ConfigError, match="command line sets both 'TEST.PRECISE_BN'"):
+        load_cfg(None, ["TEST.PRECISE_BN.ENABLED", "True", "HOOKS.PRECISE_BN.ENABLED", "False"])

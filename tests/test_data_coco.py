@@ -83,12 +83,25 @@ def test_builtin_paths_follow_data_root(monkeypatch, tmp_path):
 
 def test_custom_datasets_from_config(tmp_path):
     name, json_file, image_dir = (f"mine_{uuid.uuid4().hex[:6]}", *write_coco(tmp_path)[1:])
-    cfg = data_cfg("TRAIN.DATASETS", (name,), custom=[{"name": name, "json": json_file, "images": image_dir}],
+    cfg = data_cfg("TRAIN.DATASETS", (name,), custom=[{"name": name, "path": json_file, "images": image_dir}],
                num_classes=1)
     images, targets = next(iter(build_train_loader(cfg)))
     assert images.shape[0] == 4 and targets[0]["labels"].tolist() == [1]
     with pytest.raises(ConfigError, match=r"DATA.CUSTOM\[0\]: .* lacks images"):
-        build_train_loader(data_cfg(custom=[{"name": "x", "json": json_file}]))
+        build_train_loader(data_cfg(custom=[{"name": "x", "path": json_file}]))
+
+
+def test_a_coco_entrys_old_json_key_still_registers_with_a_warning(tmp_path, caplog):
+    """``json:`` is ``path:``'s name before 0.2.0: the entry still loads until 0.3.0, with a warning naming both."""
+    name, json_file, image_dir = (f"old_{uuid.uuid4().hex[:6]}", *write_coco(tmp_path)[1:])
+    cfg = data_cfg("TRAIN.DATASETS", (name,), custom=[{"name": name, "json": json_file, "images": image_dir}],
+                   num_classes=1)
+    with caplog.at_level("WARNING", logger="pet.data.catalog"):
+        images, _ = next(iter(build_train_loader(cfg)))
+    assert images.shape[0] == 4
+    assert [r.getMessage() for r in caplog.records if "`json`" in r.getMessage()] == [
+        f"DATA.CUSTOM[0] ('{name}') gives `json`, which is now called `path`; please rename it (`json` goes in "
+        "Pet 0.3.0)."]
 
 
 def test_class_id_round_trip(tmp_path):
@@ -256,7 +269,7 @@ _BAD_DATA = {
 
 def _train_opts(tmp_path, name: str, json_file: str, image_dir: str) -> list[str]:
     return ["--cfg", DEMO_CFG, "CKPT", tmp_path / "run", *single_dataset_opts(json_file, image_dir, name),
-            "MODEL.NUM_CLASSES", 1, "SOLVER.IMS_PER_BATCH", 2, "SOLVER.MAX_ITER", 2, "TEST.EVAL_PERIOD", 0,
+            "MODEL.NUM_CLASSES", 1, "SOLVER.IMS_PER_BATCH", 2, "SOLVER.MAX_ITER", 2, "HOOKS.EVAL.PERIOD", 0,
             "TRAIN.AUTO_RESUME", False, "INPUT.MIN_SIZE_TRAIN", "(0,)"]
 
 

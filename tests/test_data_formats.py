@@ -133,7 +133,7 @@ def test_an_image_added_to_a_yolo_split_folder_or_list_file_is_read_by_the_next_
 def _tiny_run_cfg(tmp_path, name: str):
     return load_cfg(DEMO_CFG, [
         "CKPT", str(tmp_path / name), "DEVICE", "cpu", "MODEL.NUM_CLASSES", len(CLASSES),
-        "TRAIN.DATASETS", f"('{name}',)", "TEST.DATASETS", f"('{name}',)", "TEST.EVAL_PERIOD", 0,
+        "TRAIN.DATASETS", f"('{name}',)", "TEST.DATASETS", f"('{name}',)", "HOOKS.EVAL.PERIOD", 0,
         "SOLVER.MAX_ITER", 30, "SOLVER.IMS_PER_BATCH", 2, "SOLVER.WARMUP_ITERS", 5, "SOLVER.AMP.ENABLED", False,
         "DATA.NUM_WORKERS", 0, "DATA.FILTER_EMPTY", False, "INPUT.SIZE_DIVISIBILITY", 32, "DISPLAY_ITER", 30,
         "HOOKS.CHECKPOINT.PERIOD", 0, "TRAIN.AUTO_RESUME", False, "MODEL.FLOPS_INPUT_SIZE", "(64, 64)",
@@ -546,18 +546,18 @@ def test_train_and_test_sets_with_different_classes_stop_before_training_naming_
                                                                               "a.jpg,2,2,30,30,emu\n")})
     val = _register({"format": "csv", "path": _csv(tmp_path / "val.csv", "b.jpg,1,1,9,9,cat\nb.jpg,3,3,9,9,emu\n")})
     cfg = load_cfg(None, ["DEVICE", "cpu", "MODEL.NUM_CLASSES", 3, "TRAIN.DATASETS", f"('{train}',)",
-                          "TEST.DATASETS", f"('{val}',)", "TEST.EVAL_PERIOD", 10, "SOLVER.IMS_PER_BATCH", 1,
+                          "TEST.DATASETS", f"('{val}',)", "HOOKS.EVAL.PERIOD", 10, "SOLVER.IMS_PER_BATCH", 1,
                           "DATA.NUM_WORKERS", 0])
     with pytest.raises(DataError, match=rf"'{train}' \(.*train.csv\) and '{val}' \(.*val.csv\) have different "
                                         rf"categories: classes \['dog'\] only in '{train}'.*same `classes: \[...\]`"):
         build_train_loader(cfg)
     cfg.defrost()
-    cfg.TEST.EVAL_PERIOD = 0  # not validating: only the training sets count
+    cfg.HOOKS.EVAL.PERIOD = 0  # not validating: only the training sets count
     build_train_loader(cfg)
     # With the run's list given to both, the ids agree and the class missing from val is fine.
     fixed = [_register({"format": "csv", "path": str(tmp_path / f"{s}.csv")}, classes=["cat", "dog", "emu"])
              for s in ("train", "val")]
-    cfg.TRAIN.DATASETS, cfg.TEST.DATASETS, cfg.TEST.EVAL_PERIOD = (fixed[0],), (fixed[1],), 10
+    cfg.TRAIN.DATASETS, cfg.TEST.DATASETS, cfg.HOOKS.EVAL.PERIOD = (fixed[0],), (fixed[1],), 10
     build_train_loader(cfg)
 
 

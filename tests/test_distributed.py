@@ -27,7 +27,7 @@ def tiny_set(shapes_set):
 def _opts(tiny_set: str, ckpt: str, max_iter: int = 4, test_batch: int = 1) -> list[str]:
     return [*tiny_set_opts(tiny_set, ckpt, max_iter=max_iter, test_batch=test_batch, display_iter=2,
                            checkpoint_period=2),
-            "DEVICE", "cpu", "SEED", "3", "TEST.EVAL_PERIOD", "0"]
+            "DEVICE", "cpu", "SEED", "3", "HOOKS.EVAL.PERIOD", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +124,7 @@ def test_sync_bn_on_cpu_is_a_config_error_in_every_rank(tiny_set, tmp_path):
 @pytest.mark.parametrize("key, opts", [
     ("SOLVER.IMS_PER_BATCH", ("SOLVER.IMS_PER_BATCH", "3")),
     # Validation's batch is checked when the hooks are built, not after the run has trained for hours.
-    ("TEST.IMS_PER_BATCH", ("TEST.EVAL_PERIOD", "1")),
+    ("TEST.IMS_PER_BATCH", ("HOOKS.EVAL.PERIOD", "1")),
 ])
 def test_a_batch_that_cannot_be_split_stops_every_rank_before_anything_is_written(tiny_set, tmp_path, key, opts):
     ckpt = tmp_path / "uneven"

@@ -49,7 +49,7 @@ _TWO_STAGE = ("MODEL.FPN.RETURNED_LAYERS", "[2, 3]", "MODEL.RPN.ANCHOR_SIZES", "
               "MODEL.FPN.OUT_CHANNELS", "32", "MODEL.ROI_BOX_HEAD.MLP_DIM", "64",
               "MODEL.RPN.PRE_NMS_TOPK_TEST", "200", "MODEL.RPN.POST_NMS_TOPK_TEST", "100")
 ARCHS = {
-    "faster_rcnn": Arch("faster_rcnn_R-18-FPN.yaml", _TWO_STAGE, "MODEL.ROI_HEADS.SCORE_THRESH_TEST",
+    "faster_rcnn": Arch("faster_rcnn_R-10-FPN.yaml", _TWO_STAGE, "MODEL.ROI_HEADS.SCORE_THRESH_TEST",
                         "roi_heads.box_predictor.cls_score"),
     "mask_rcnn": Arch("mask_rcnn_R-18-FPN.yaml", (*_TWO_STAGE, "MODEL.ROI_MASK_HEAD.NUM_CONV", "1",
                                                   "MODEL.ROI_MASK_HEAD.CONV_DIM", "32"),

@@ -26,6 +26,7 @@ from pet.engine.build import build_train_hooks
 from pet.engine.checkpoint import load_checkpoint
 from pet.engine.events import read_metrics
 from pet.engine.hooks import (
+    HOOKS,
     EarlyStoppingHook,
     EMAHook,
     EvalHook,
@@ -252,14 +253,29 @@ def test_ema_begin_epoch(cfg_for):
 
 # ---------------------------------------------------------------------------------------- the rest
 def test_default_hook_order(make_cfg):
-    cfg = make_cfg("TEST.EVAL_PERIOD", 5, "HOOKS.EMA.ENABLED", True, "HOOKS.EARLY_STOPPING.ENABLED", True,
-                   "HOOKS.EMPTY_CACHE.ENABLED", True, "HOOKS.PROFILER.ENABLED", True, "TEST.PRECISE_BN.ENABLED", True)
+    cfg = make_cfg("HOOKS.EVAL.PERIOD", 5, "HOOKS.EMA.ENABLED", True, "HOOKS.EARLY_STOPPING.ENABLED", True,
+                   "HOOKS.EMPTY_CACHE.ENABLED", True, "HOOKS.PROFILER.ENABLED", True, "HOOKS.PRECISE_BN.ENABLED", True)
     trainer = toy_trainer(cfg)
     assert [type(h).__name__ for h in trainer.hooks] == [
         "ProfilerHook", "IterationTimer", "LRScheduler", "PreciseBN", "EMAHook", "EmptyCacheHook", "EvalHook",
         "EarlyStoppingHook", "PeriodicWriter", "CheckpointHook"]
     assert not any(isinstance(h, SyncBuffersHook) for h in build_train_hooks(cfg, trainer))  # one process
-    assert not any(isinstance(h, EvalHook) for h in toy_trainer(make_cfg()).hooks)  # EVAL_PERIOD 0
+    assert not any(isinstance(h, EvalHook) for h in toy_trainer(make_cfg()).hooks)  # HOOKS.EVAL.PERIOD 0
+
+
+def test_every_built_in_hook_is_named_hook_but_the_four_pet_users_know():
+    """Hook classes end in ``Hook``; IterationTimer, LRScheduler, PeriodicWriter and PreciseBN keep Pet's and
+    detectron2's names. Checked over the registry (train and test hooks), so a new hook cannot slip by."""
+    import pet.engine.hooks as hooks
+    import pet.evaluation  # noqa: F401 - registers its test hook
+
+    bases = (TrainHook, hooks.TestCallback)
+    exported = {name for name in hooks.__all__ if isinstance(getattr(hooks, name), type)
+                and issubclass(getattr(hooks, name), bases) and getattr(hooks, name) not in bases}
+    names = exported | {name for name, _ in HOOKS}
+    assert {"CheckpointHook", "TestHook", "VisualizationHook"} <= names
+    assert {name for name in names if not name.endswith("Hook")} == {
+        "IterationTimer", "LRScheduler", "PeriodicWriter", "PreciseBN"}
 
 
 def test_profiler_writes_a_table_and_empty_cache_is_harmless_on_cpu(cfg_for, caplog, monkeypatch):
@@ -347,7 +363,7 @@ def test_doc_after_val_hook_example_runs_and_resumes(cfg_for, tmp_path, monkeypa
     spec = next(b for b in _doc_blocks("yaml") if "BestMetricLogger" in b)
     (tmp_path / "run.yaml").write_text(spec.replace("my_project.hooks.", "pet_doc_example."))
     table = {n: {"bbox/AP": [0.2, 0.5, 0.3, 0.4][n // 2 - 1]} for n in (2, 4, 6, 8)}
-    cfg = load_cfg(str(tmp_path / "run.yaml"), ["CKPT", str(tmp_path / "out"), "DEVICE", "cpu", "TEST.EVAL_PERIOD",
+    cfg = load_cfg(str(tmp_path / "run.yaml"), ["CKPT", str(tmp_path / "out"), "DEVICE", "cpu", "HOOKS.EVAL.PERIOD",
                                                 0, "SOLVER.MAX_ITER", 8, "TRAIN.SAVE_AS_JSON", False])
     trainer = toy_trainer(cfg, EvalHook(2, scripted_eval(table)))
     trainer.train()

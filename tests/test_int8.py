@@ -41,7 +41,7 @@ from pet.utils import cpu as cpu_module
 from pet.utils.errors import DataError, PetError
 from pet.utils.files import file_sha256
 
-CFG = os.path.join(CFGS, "shapes", "faster_rcnn_R-18-FPN.yaml")
+CFG = os.path.join(CFGS, "shapes", "faster_rcnn_R-10-FPN.yaml")
 TINY = ["MODEL.FPN.RETURNED_LAYERS", "[2, 3]", "MODEL.RPN.ANCHOR_SIZES", "[[32], [64], [128]]",
         "MODEL.FPN.OUT_CHANNELS", "32", "MODEL.ROI_BOX_HEAD.MLP_DIM", "64", "MODEL.RPN.PRE_NMS_TOPK_TEST", "200",
         "MODEL.RPN.POST_NMS_TOPK_TEST", "100", "INPUT.MIN_SIZE_TEST", "160", "INPUT.MAX_SIZE_TEST", "214",

@@ -1,7 +1,7 @@
 """SIGKILL a real detector's training before its first checkpoint and at three seeded iterations; the same command
 restarts it each time and it ends bit for bit as an uninterrupted run.
 
-The demo's Faster R-CNN R-18-FPN (fp32) trains through ``tools/train_net.py`` on a tiny generated shapes set.
+The demo's Faster R-CNN R-10-FPN (fp32) trains through ``tools/train_net.py`` on a tiny generated shapes set.
 ``kill_plugins.KillAt`` (given through ``HOOKS.CUSTOM``) SIGKILLs the process after the step of each kill
 point, before that step's metrics or checkpoint are written, so every restart resumes from an earlier
 checkpoint, or starts over when there is none yet, and trains some iterations again. The first kill comes at
@@ -43,7 +43,7 @@ def _train_command(data: str, ckpt: str, *extra: str) -> list[str]:
     return ["train_net.py", "--cfg", DEMO_CFG, *_opts(data, ckpt), "SOLVER.MAX_ITER", str(MAX_ITER),
             "SOLVER.WARMUP_ITERS", "3", "SOLVER.AMP.ENABLED", "False", "HOOKS.CHECKPOINT.PERIOD", str(INTERVAL),
             "HOOKS.CHECKPOINT.MAX_KEEP", "1", "DISPLAY_ITER", "1", "TRAIN.USE_TENSORBOARD", "False",
-            "MODEL.FLOPS_INPUT_SIZE", "()", "TEST.EVAL_PERIOD", "0",
+            "MODEL.FLOPS_INPUT_SIZE", "()", "HOOKS.EVAL.PERIOD", "0",
             # One thread: on a busy 2-core machine two OpenMP threads made each step 4-8x slower.
             "NUM_THREADS", "1", *extra]
 

@@ -18,7 +18,7 @@ from helpers import data_cfg, write_coco
 from pet.config import load_cfg
 from pet.data import LabelSpace, build_test_loader, build_train_loader, coco_categories, dataset_categories
 from pet.engine.inference import evaluate_on_datasets
-from pet.evaluation import DetectionVisualizer, evaluate_results_file
+from pet.evaluation import VisualizationHook, evaluate_results_file
 from pet.evaluation import visualizer as visualizer_module
 from pet.utils.errors import ConfigError, DataError
 
@@ -112,7 +112,7 @@ def test_detection_pictures_name_classes_through_the_label_space(tmp_path):
     name, *_ = _subset(tmp_path)
     cfg = data_cfg("MODEL.LABEL_SPACE", "category_id", num_classes=90)
     loader = build_test_loader(cfg, name)
-    visualizer = DetectionVisualizer(str(tmp_path), num_images=1)
+    visualizer = VisualizationHook(str(tmp_path), num_images=1)
     visualizer.before_test(data_loader=loader)
     results = [{"image_id": 1, "category_id": c, "bbox": [10, 10, 30, 20], "score": 0.9} for c in (TOOTHBRUSH, 13)]
     with mock.patch.object(visualizer_module, "draw_detections", wraps=visualizer_module.draw_detections) as draw:

@@ -15,7 +15,7 @@ from pet.modeling import build_model
 from pet.modeling.roi_heads import TwoMLPHead
 from pet.utils.errors import ConfigError
 
-DEMO_CFG = "cfgs/shapes/faster_rcnn_R-18-FPN.yaml"
+DEMO_CFG = "cfgs/shapes/faster_rcnn_R-10-FPN.yaml"
 
 
 def test_a_plugin_head_adds_its_key_and_is_built_with_it(tmp_path):

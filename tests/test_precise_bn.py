@@ -49,8 +49,8 @@ def test_precise_bn_from_config_keeps_the_training_batch_sequence(make_cfg, tiny
     """With persistent workers, drawing from the trainer's loader would restart its sampler mid-run."""
     runs = {}
     for precise_bn in (False, True):
-        cfg = _shapes_cfg(make_cfg, tiny_set, f"pbn{precise_bn}", "TEST.PRECISE_BN.ENABLED", precise_bn,
-                          "TEST.PRECISE_BN.PERIOD", 2, "TEST.PRECISE_BN.NUM_ITER", 3)
+        cfg = _shapes_cfg(make_cfg, tiny_set, f"pbn{precise_bn}", "HOOKS.PRECISE_BN.ENABLED", precise_bn,
+                          "HOOKS.PRECISE_BN.PERIOD", 2, "HOOKS.PRECISE_BN.NUM_ITER", 3)
         model = IdRecorder()
         Trainer(cfg, model=model).train()  # the training loader and the default hooks come from the config
         runs[precise_bn] = model

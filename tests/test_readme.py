@@ -85,7 +85,7 @@ def test_add_your_own_model_example_builds_and_trains(tmp_path, my_project):
     cfg_dir.mkdir(parents=True)
     shapes_dir = tmp_path / "cfgs" / "shapes"
     shapes_dir.mkdir()
-    (shapes_dir / "faster_rcnn_R-18-FPN.yaml").write_text(open(DEMO_CFG).read())
+    (shapes_dir / "faster_rcnn_R-10-FPN.yaml").write_text(open(DEMO_CFG).read())
     (cfg_dir / "conv_head.yaml").write_text(_block("yaml", "my_project.heads.ConvFCHead"))
 
     model = build_model(load_cfg(str(cfg_dir / "conv_head.yaml")))

@@ -118,12 +118,12 @@ def test_auto_resume_from_python_continues_a_stopped_run_bit_identically(make_cf
 
 
 def test_precise_bn_estimates_on_the_callers_loader(make_cfg):
-    """With a caller's loader, TEST.PRECISE_BN draws from it (not from TRAIN.DATASETS): the BN mean becomes the
+    """With a caller's loader, HOOKS.PRECISE_BN draws from it (not from TRAIN.DATASETS): the BN mean becomes the
     mean of those batches."""
     batches = _batches(3, seed=1)
     model = RecordingModel()
     model.bn = torch.nn.BatchNorm1d(4)
-    cfg = make_cfg("SOLVER.MAX_ITER", 2, "TEST.PRECISE_BN.ENABLED", True, "TEST.PRECISE_BN.NUM_ITER", 3)
+    cfg = make_cfg("SOLVER.MAX_ITER", 2, "HOOKS.PRECISE_BN.ENABLED", True, "HOOKS.PRECISE_BN.NUM_ITER", 3)
     _trainer(cfg, model, batches).train()
     expected = torch.cat([x for x, _ in batches]).mean(dim=0)
     assert torch.allclose(model.bn.running_mean, expected, atol=1e-5)

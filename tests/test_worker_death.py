@@ -35,7 +35,7 @@ def tiny_set(shapes_set) -> str:
 
 def _train(data: str, ckpt: str, *extra: str, nproc: int = 1, check: bool = True):
     opts = [*tiny_set_opts(data, ckpt, max_iter=MAX_ITER, checkpoint_period=4), "DATA.NUM_WORKERS", "2",
-            "SOLVER.AMP.ENABLED", "False", "SOLVER.WARMUP_ITERS", "2", "TEST.EVAL_PERIOD", "0", "DEVICE", "cpu",
+            "SOLVER.AMP.ENABLED", "False", "SOLVER.WARMUP_ITERS", "2", "HOOKS.EVAL.PERIOD", "0", "DEVICE", "cpu",
             "MODEL.FLOPS_INPUT_SIZE", "()", "TRAIN.USE_TENSORBOARD", "False", "SEED", "5",
             "NUM_THREADS", "1", *extra]  # one thread: bit-identical arithmetic run to run
     return run_tool("train_net.py", "--cfg", DEMO_CFG, *opts, nproc=nproc, check=check, env=PLUGINS)

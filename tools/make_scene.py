@@ -6,7 +6,7 @@ a third of them are centred exactly on the seams of the tile grid that --tile an
 tools/predict.py cuts it), including crossings of two seams, so some are cut by seams and, being larger than
 the overlap, whole in no tile. Predict on it with
 
-    python tools/predict.py --cfg cfgs/shapes/faster_rcnn_R-18-FPN.yaml --input data/scene/scene.jpg --tile 256
+    python tools/predict.py --cfg cfgs/shapes/faster_rcnn_R-10-FPN.yaml --input data/scene/scene.jpg --tile 256
 """
 import argparse
 import json

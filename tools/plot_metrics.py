@@ -1,6 +1,6 @@
 """Draw training curves from one or more metrics.json files (overlaid for comparison).
 
-    python tools/plot_metrics.py ckpts/shapes/faster_rcnn_R-18-FPN/metrics.json [other/metrics.json ...] \
+    python tools/plot_metrics.py ckpts/shapes/faster_rcnn_R-10-FPN/metrics.json [other/metrics.json ...] \
         [--out curves.png] [--labels a b]
 
 A missing or empty metrics file is a one-line error (exit status 1).

@@ -21,7 +21,7 @@ from pet.deploy.backend import resolve_backend  # noqa: E402
 from pet.engine.build import build_test_hooks  # noqa: E402
 from pet.engine.inference import evaluate_on_datasets, inference_precision  # noqa: E402
 from pet.engine.metrics import flatten_metrics  # noqa: E402
-from pet.evaluation import DetectionVisualizer, evaluate_results_file  # noqa: E402
+from pet.evaluation import VisualizationHook, evaluate_results_file  # noqa: E402
 from pet.evaluation.coco import write_json_atomic  # noqa: E402
 from pet.utils import comm  # noqa: E402
 from pet.utils.errors import ConfigError  # noqa: E402
@@ -87,7 +87,7 @@ def main() -> None:
     model = load_model(cfg, backend, model_file, args.unsafe_load)
     test_hook, hooks = build_test_hooks(cfg, args.cfg_file)
     if args.vis > 0:
-        hooks.append(DetectionVisualizer(cfg.CKPT, num_images=args.vis))
+        hooks.append(VisualizationHook(cfg.CKPT, num_images=args.vis))
     precision = inference_precision(cfg, model)
     metrics = evaluate_on_datasets(cfg, model, output_dir, test_hook, hooks, precision=precision)
     # Every rank timed its own shard: keep each rank's summary and their combination.

@@ -41,7 +41,7 @@ def load_cfg(cfg_file: str | None, opts: Sequence[str] = (), *, freeze: bool = T
     """Build the run's config from the defaults, ``cfg_file`` and ``opts`` (``KEY VALUE ...``)."""
     cfg = get_default_cfg()
     from_file = _read_yaml(cfg_file) if cfg_file else {}
-    from_opts = _opts_as_dict(opts)
+    from_opts = _with_new_names(_opts_as_dict(opts), "command line")
     add_plugin_config(cfg, from_file, from_opts)
     explicit = _merge_dict(cfg, from_file, source=cfg_file or "") | _merge_dict(cfg, from_opts, source="command line")
     if not cfg.CKPT:
@@ -62,7 +62,7 @@ def merge_opts(cfg: CfgNode, opts: Sequence[str]) -> set[str]:
 
     Returns the full names of the keys set.
     """
-    return _merge_dict(cfg, _opts_as_dict(opts), source="command line")
+    return _merge_dict(cfg, _with_new_names(_opts_as_dict(opts), "command line"), source="command line")
 
 
 def add_plugin_config(cfg: CfgNode, *values: dict) -> None:
@@ -103,6 +103,34 @@ def _opts_as_dict(opts: Sequence[str]) -> dict[str, Any]:
             node = node.setdefault(part, {})
         node[leaf] = _parse_literal(raw)
     return nested
+
+
+def _with_new_names(tree: dict, source: str) -> dict:
+    """``tree`` with each old key of ``RENAMED_KEYS`` moved to its new name, one warning per old key.
+
+    A renamed section moves whole (``HOOKS.PRECISE_BN`` -> ``HOOKS.PRECISE_BN``). Renaming happens per
+    file, before a file is merged over its ``_BASE_``, so an old key in a user's file still overrides
+    the new key of a shipped base it inherits.
+    """
+    for old, new in RENAMED_KEYS.items():
+        *old_parents, old_leaf = old.split(".")
+        node = tree
+        for part in old_parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or old_leaf not in node:
+            continue
+        value = node.pop(old_leaf)
+        logger.warning(f"Config key '{old}' in {source} is now called '{new}'; please rename it.")
+        *new_parents, new_leaf = new.split(".")
+        node = tree
+        for part in new_parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"Config key '{part}' in {source} is a section; give a mapping, got {node!r}")
+        if new_leaf in node:
+            raise ConfigError(f"{source} sets both '{old}' and its new name '{new}'; keep only '{new}'")
+        node[new_leaf] = value
+    return tree
 
 
 def _leaves(tree: dict, prefix: str = "") -> Iterable[tuple[str, Any]]:
@@ -176,7 +204,7 @@ def _read_yaml(path: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"Config file not found: {path} (pass an existing YAML file to --cfg)")
     try:
-        loaded = CfgNode.load_yaml_with_base(path, allow_unsafe=False)
+        return _load_with_base(path)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         where = f"{mark.name}:{mark.line + 1}:{mark.column + 1}" if mark else path
@@ -193,11 +221,38 @@ def _read_yaml(path: str) -> dict:
         raise ConfigError(f"YAML syntax error in {where}: {exc.problem}") from exc
     except FileNotFoundError as exc:
         raise ConfigError(f"_BASE_ of {path} not found: {exc.filename}") from exc
+
+
+def _load_with_base(path: str) -> dict:
+    """The YAML file at ``path`` (``yaml.safe_load``) merged over its ``_BASE_`` file or list of files.
+
+    As fvcore's ``CfgNode.load_yaml_with_base``, a base path is relative to the file naming it, and a later
+    file's values replace an earlier one's; in addition each file's old key names become the new ones
+    before it is merged (:func:`_with_new_names`).
+    """
+    with open(path, encoding="utf-8") as f:
+        loaded = yaml.safe_load(f)
     if loaded is None:
-        return {}
+        loaded = {}
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path} must hold a mapping of config keys, got {type(loaded).__name__}")
-    return loaded
+    bases = loaded.pop("_BASE_", [])
+    merged: dict = {}
+    for base in [bases] if isinstance(bases, str) else bases:
+        _merge_tree(_load_with_base(os.path.join(os.path.dirname(path), os.path.expanduser(base))), merged, path)
+    _merge_tree(_with_new_names(loaded, path), merged, path)
+    return merged
+
+
+def _merge_tree(values: dict, into: dict, path: str) -> None:
+    """Merge the nested dict ``values`` into ``into``; ``values`` wins."""
+    for key, value in values.items():
+        if isinstance(value, dict) and key in into:
+            if not isinstance(into[key], dict):
+                raise ConfigError(f"{path} gives a mapping for '{key}', which its _BASE_ sets to {into[key]!r}")
+            _merge_tree(value, into[key], path)
+        else:
+            into[key] = value
 
 
 def _merge_dict(cfg: CfgNode, values: dict, source: str, prefix: str = "") -> set[str]:
@@ -205,10 +260,6 @@ def _merge_dict(cfg: CfgNode, values: dict, source: str, prefix: str = "") -> se
     merged = set()
     for key, value in values.items():
         full_key = prefix + key
-        if key not in cfg and full_key in RENAMED_KEYS:
-            full_key = RENAMED_KEYS[full_key]
-            logger.warning(f"Config key '{prefix + key}' in {source} is now called '{full_key}'; please rename it.")
-            key = full_key.rpartition(".")[2]
         if key not in cfg:
             raise ConfigError(f"Unknown config key '{full_key}' in {source}.{_did_you_mean(full_key)}")
         default = cfg[key]

@@ -29,7 +29,7 @@ _C.DATA = CN()
 _C.DATA.NUM_WORKERS = 2
 # Extra datasets registered at start-up, then named in TRAIN.DATASETS / TEST.DATASETS; each
 # {name, format, path, images, split, classes} (README "Your own data"): format coco (default;
-# path: the JSON, images: its image folder; `json:` is accepted for path), yolo (path: data.yaml,
+# path: the JSON, images: its image folder; `json:`, path's old name, until 0.3.0), yolo (path: data.yaml,
 # split: train/val/test), voc (path: the VOC root, split: an ImageSets/Main name) or csv (path:
 # the CSV, images: the folder its paths are relative to; columns: {role: header name}). classes:
 # the class list and order (ids 1..K); without it COCO's categories, YOLO's names, or the sorted
@@ -313,6 +313,20 @@ _C.HOOKS = CN()
 # Extra hooks, each {type: <registry name or dotted path>, priority: ..., <kwarg>: ...}.
 _C.HOOKS.CUSTOM = []
 
+# Validation while training (EvalHook) on TEST.DATASETS, with the test settings. (Old name: TEST.EVAL_PERIOD.)
+_C.HOOKS.EVAL = CN()
+# Validate every PERIOD iterations (epochs in epoch mode) and after training; 0: no validation
+# while training (test_net.py evaluates the final model).
+_C.HOOKS.EVAL.PERIOD = 0
+
+# Recompute BatchNorm population statistics from training batches. (Old name: TEST.PRECISE_BN.)
+_C.HOOKS.PRECISE_BN = CN()
+_C.HOOKS.PRECISE_BN.ENABLED = False
+# Every PERIOD iterations (and at the end of training); 0: only at the end.
+_C.HOOKS.PRECISE_BN.PERIOD = 0
+# Batches used for the statistics.
+_C.HOOKS.PRECISE_BN.NUM_ITER = 200
+
 _C.HOOKS.CHECKPOINT = CN()
 # Save model_iter{N}.pth every PERIOD iterations (model_epoch{N}.pth every PERIOD epochs with
 # BY_EPOCH, which needs SOLVER.MAX_EPOCHS > 0); <= 0 saves only the last. (Old name: INTERVAL.)
@@ -328,7 +342,7 @@ _C.HOOKS.CHECKPOINT.MAX_KEEP = -1
 # Save after the last iteration (and link it as model_final.pth).
 _C.HOOKS.CHECKPOINT.SAVE_LAST = True
 # Validation metric(s) whose best value is kept as model_best_{metric}.pth, replaced on strict
-# improvement; "auto" = the first metric of the first validation. Needs TEST.EVAL_PERIOD > 0.
+# improvement; "auto" = the first metric of the first validation. Needs HOOKS.EVAL.PERIOD > 0.
 _C.HOOKS.CHECKPOINT.SAVE_BEST = []
 # "greater" or "less" for every SAVE_BEST metric; empty infers it from each name (AP/acc: greater, loss: less).
 _C.HOOKS.CHECKPOINT.RULE = ""
@@ -351,7 +365,7 @@ _C.HOOKS.EMA.BEGIN_EPOCH = 0
 # m = MOMENTUM + (1 - MOMENTUM) * exp(-(1 + updates) / ANNEAL_ITERS); 0 disables.
 _C.HOOKS.EMA.ANNEAL_ITERS = 0
 
-# Stop training when a validation metric stops improving (needs TEST.EVAL_PERIOD > 0).
+# Stop training when a validation metric stops improving (needs HOOKS.EVAL.PERIOD > 0).
 _C.HOOKS.EARLY_STOPPING = CN()
 _C.HOOKS.EARLY_STOPPING.ENABLED = False
 # Metric to watch (as put by EvalHook, e.g. "bbox/AP").
@@ -408,9 +422,6 @@ _C.TEST.IMS_PER_BATCH = 1
 _C.TEST.AMP = CN()
 _C.TEST.AMP.ENABLED = "auto"
 _C.TEST.AMP.DTYPE = "auto"
-# Validate every EVAL_PERIOD iterations (epochs in epoch mode) and after training; 0: no validation
-# while training (test_net.py evaluates the final model).
-_C.TEST.EVAL_PERIOD = 0
 # Also compute the validation loss (the training losses on TEST.DATASETS, without updating the model
 # or its BN statistics) and log it next to the AP as loss/total_loss, loss/<term>.
 _C.TEST.VAL_LOSS = False
@@ -435,23 +446,18 @@ _C.TEST.NUM_WARMUP = 5
 # Log the [Testing] progress line every LOG_PERIOD iterations.
 _C.TEST.LOG_PERIOD = 10
 
-# Recompute BatchNorm population statistics from training batches.
-_C.TEST.PRECISE_BN = CN()
-_C.TEST.PRECISE_BN.ENABLED = False
-# Every PERIOD iterations (and at the end of training); 0: only at the end.
-_C.TEST.PRECISE_BN.PERIOD = 0
-# Batches used for the statistics.
-_C.TEST.PRECISE_BN.NUM_ITER = 200
-
 
 # Keys that take "auto", True or False (YAML and the command line may switch between them).
 AUTO_OR_BOOL_KEYS = ("SOLVER.AMP.ENABLED", "TEST.AMP.ENABLED")
 
-# Old key -> its new name. One idea has one name ("PERIOD": every N iterations); the old
-# names still load, with a warning that names the new key.
+# Old key (or section) -> its new name. One idea has one name ("PERIOD": every N iterations), and the
+# settings of a training hook live under HOOKS. The old names still load, with a warning that names
+# the new key, until Pet 0.3.0 (CHANGELOG.md).
 RENAMED_KEYS = {
     "HOOKS.CHECKPOINT.INTERVAL": "HOOKS.CHECKPOINT.PERIOD",
     "HOOKS.EMA.INTERVAL": "HOOKS.EMA.PERIOD",
+    "TEST.EVAL_PERIOD": "HOOKS.EVAL.PERIOD",
+    "TEST.PRECISE_BN": "HOOKS.PRECISE_BN",
 }
 
 

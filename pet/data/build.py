@@ -153,7 +153,7 @@ def build_train_loader(cfg: CfgNode, mapper: DatasetMapper | None = None) -> Pet
     repeats images of rare classes with ``DATA.SAMPLER RepeatFactorTrainingSampler``. Each
     process loads SOLVER.IMS_PER_BATCH / world_size images per batch. ``mapper`` defaults
     to ``DatasetMapper.from_config(cfg, is_train=True)``. When the run validates
-    (``TEST.EVAL_PERIOD`` > 0), the test sets must have the training sets' class list.
+    (``HOOKS.EVAL.PERIOD`` > 0), the test sets must have the training sets' class list.
     """
     register_custom_datasets(cfg)
     names = list(cfg.TRAIN.DATASETS)
@@ -163,7 +163,7 @@ def build_train_loader(cfg: CfgNode, mapper: DatasetMapper | None = None) -> Pet
         raise ConfigError(f"DATA.SAMPLER must be one of {list(_SAMPLERS)}, got {cfg.DATA.SAMPLER!r}.")
     sources = [get_dataset(name, strict=cfg.DATA.STRICT) for name in names]
     label_space = build_label_space(cfg, sources[0])
-    if cfg.TEST.EVAL_PERIOD > 0 and cfg.MODEL.LABEL_SPACE == "contiguous":
+    if cfg.HOOKS.EVAL.PERIOD > 0 and cfg.MODEL.LABEL_SPACE == "contiguous":
         # Validation would stop on a mismatch later: say so before training. (In the category_id layout a
         # test set may hold any subset of the ids.)
         check_same_categories([*sources, *(get_dataset(n, strict=cfg.DATA.STRICT) for n in cfg.TEST.DATASETS)])

@@ -152,7 +152,7 @@ def register_dataset(
 
 # What each format's DATA.CUSTOM entry holds, for messages.
 _ENTRY_HELP = {
-    "coco": "{name: ..., path: instances.json, images: image folder} (`json:` is accepted for `path`)",
+    "coco": "{name: ..., path: instances.json, images: image folder}",
     "yolo": "{name: ..., format: yolo, path: data.yaml, split: train|val|test}",
     "voc": "{name: ..., format: voc, path: VOC root, split: train|val|trainval|test}",
     "csv": "{name: ..., format: csv, path: boxes.csv, images: image folder}",
@@ -162,7 +162,7 @@ _ENTRY_KEYS = {"name", "format", "path", "json", "images", "split", "classes", "
 
 def register_custom_datasets(cfg: CfgNode) -> None:
     """Register every ``DATA.CUSTOM`` entry ``{name, format, path, images, split, classes}`` (see
-    :func:`register_dataset`; ``json`` is the old name of a COCO entry's ``path``)."""
+    :func:`register_dataset`; ``json``, the old name of a COCO entry's ``path``, loads with a warning until 0.3.0)."""
     for i, entry in enumerate(cfg.DATA.CUSTOM):
         if not isinstance(entry, Mapping):
             raise ConfigError(f"DATA.CUSTOM[{i}] must be a mapping such as {_ENTRY_HELP['coco']}, got {entry!r}")
@@ -176,6 +176,9 @@ def register_custom_datasets(cfg: CfgNode) -> None:
             raise ConfigError(f"DATA.CUSTOM[{i}] {problem}; an entry is {shape}, got {dict(entry)}")
         if not fields.get("name"):
             raise ConfigError(f"DATA.CUSTOM[{i}] lacks a name; an entry is {shape}, got {dict(entry)}")
+        if "json" in fields:
+            logger.warning(f"DATA.CUSTOM[{i}] ('{fields['name']}') gives `json`, which is now called `path`; "
+                           "please rename it (`json` goes in Pet 0.3.0).")
         classes = fields.get("classes") or ()
         if isinstance(classes, str) or not isinstance(classes, Sequence):
             raise ConfigError(f"DATA.CUSTOM[{i}] `classes` must be a list of class names, got {classes!r}")

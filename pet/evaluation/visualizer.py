@@ -13,19 +13,20 @@ from pet.engine.hooks import HOOKS, TestCallback
 from pet.utils import comm
 from pet.utils.visualization import draw_detections
 
-__all__ = ["DetectionVisualizer"]
+__all__ = ["VisualizationHook"]
 
 logger = logging.getLogger(__name__)
 
 
 @HOOKS.register()
-class DetectionVisualizer(TestCallback):
+class VisualizationHook(TestCallback):
     """After the test, write the first ``num_images`` test images with their detections to ``CKPT/test/vis/``.
 
     Ground truth is drawn in thin white, detections scoring at least ``score_thresh`` in a
     colour per class with ``class score``. It reads the saved COCO results, not the model's
     raw outputs, so a picture shows exactly what was scored. ``tools/test_net.py --vis N``
-    adds it; in YAML: ``TEST.HOOKS: [{TYPE: DetectionVisualizer, NUM_IMAGES: 8}]``.
+    adds it; in YAML: ``TEST.HOOKS: [{type: VisualizationHook, num_images: 8}]``. (Before 0.2.0 it was
+    called ``DetectionVisualizer``; that name still works, with a warning, until 0.3.0.)
     """
 
     def __init__(self, output_dir: str, num_images: int = 8, score_thresh: float = 0.5) -> None:
@@ -65,6 +66,9 @@ class DetectionVisualizer(TestCallback):
             cv2.imwrite(path, cv2.cvtColor(canvas, cv2.COLOR_RGB2BGR))
             self.written.append(path)
         logger.info(f"Wrote {len(self.written)} detection pictures (score >= {self.score_thresh}) to {self.vis_dir}")
+
+
+HOOKS.register_renamed("DetectionVisualizer", "VisualizationHook", removed_in="0.3.0")
 
 
 def _xywh_to_xyxy(boxes: list[list[float]]) -> np.ndarray:

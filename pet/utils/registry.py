@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +26,8 @@ __all__ = [
     "build_from_spec",
 ]
 
+logger = logging.getLogger(__name__)
+
 
 class Registry(_FvcoreRegistry):
     """fvcore's registry, plus dotted-path lookup, a did-you-mean error and a default module.
@@ -32,13 +35,24 @@ class Registry(_FvcoreRegistry):
     ``default_module`` is imported on the first lookup of a name that is not registered
     yet, so entries that need optional packages can live in a module that is imported only
     when one is named (the experiment-tracker writers), the way MMEngine's default scope works.
+    A class renamed in a release keeps its old name through :meth:`register_renamed` until the
+    release that removes it (CHANGELOG.md lists them).
     """
 
     def __init__(self, name: str, default_module: str | None = None) -> None:
         super().__init__(name)
         self._default_module = default_module
+        self._renamed: dict[str, tuple[str, str]] = {}
+
+    def register_renamed(self, old: str, new: str, removed_in: str) -> None:
+        """Let configs still name ``new`` by ``old``, with one warning per lookup, until version ``removed_in``."""
+        self._renamed[old] = (new, removed_in)
 
     def get(self, name: str) -> Any:
+        if name in self._renamed:
+            new, removed_in = self._renamed[name]
+            logger.warning(f"{self._name} '{name}' is now called '{new}'; the old name goes in Pet {removed_in}.")
+            name = new
         if name not in self and self._default_module:
             importlib.import_module(self._default_module)
             self._default_module = None

@@ -71,7 +71,7 @@ def _pad_batch(samples: list[dict]) -> tuple[torch.Tensor, list[dict]]:
 def _data_loaders(workers: int) -> dict[str, torch.utils.data.DataLoader]:
     """Pet's loader from the demo config (resize changed to multi-scale 320-480, so batches group by aspect
     ratio instead of native size) and the reference on its batches."""
-    cfg = load_cfg(os.path.join("cfgs", "shapes", "faster_rcnn_R-18-FPN.yaml"), [
+    cfg = load_cfg(os.path.join("cfgs", "shapes", "faster_rcnn_R-10-FPN.yaml"), [
         "DEVICE", "cpu", "DATA.NUM_WORKERS", str(workers), "INPUT.MIN_SIZE_TRAIN", str(DATA_SCALES),
         "INPUT.MAX_SIZE_TRAIN", str(DATA_MAX_SIZE), "DATA.SIZE_GROUPING", "False"])
     pet_loader = build_train_loader(cfg)

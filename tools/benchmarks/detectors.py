@@ -48,7 +48,7 @@ ARCHS = {
     "retinanet": ("coco/retinanet_R-50-FPN_1x.yaml", "RetinaNet", [2, 3, 4], "p6p7"),
     "fcos": ("coco/fcos_R-50-FPN_1x.yaml", "FCOS", [2, 3, 4], "p6p7"),
     "mask_rcnn": ("coco/mask_rcnn_R-50-FPN_1x.yaml", "MaskRCNN", [1, 2, 3, 4], "maxpool"),
-    "demo": ("shapes/faster_rcnn_R-18-FPN.yaml", "FasterRCNN", None, "maxpool"),
+    "demo": ("shapes/faster_rcnn_R-10-FPN.yaml", "FasterRCNN", None, "maxpool"),
 }
 # The demo pair runs on what the demo trains on: batches of 8 images of 256x256.
 DEMO_SIZE, DEMO_BATCH = (256, 256), 8

@@ -40,7 +40,7 @@ from pet.predict.tiling import TileSpec
 
 __all__ = ["add_arguments", "predict_benchmark", "match"]
 
-DEMO = "cfgs/shapes/faster_rcnn_R-18-FPN.yaml"
+DEMO = "cfgs/shapes/faster_rcnn_R-10-FPN.yaml"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -213,7 +213,7 @@ class BestCheckpointHook(TrainHook):
 
     def before_train(self, trainer: TrainerLike, **kwargs: Any) -> None:
         if not any(isinstance(hook, EvalHook) for hook in trainer.hooks):
-            logger.warning("HOOKS.CHECKPOINT.SAVE_BEST is set but nothing validates: set TEST.EVAL_PERIOD > 0")
+            logger.warning("HOOKS.CHECKPOINT.SAVE_BEST is set but nothing validates: set HOOKS.EVAL.PERIOD > 0")
 
     def after_val(self, metrics: dict[str, float], **kwargs: Any) -> None:
         self._pending = dict(metrics)

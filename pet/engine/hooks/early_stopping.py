@@ -68,7 +68,7 @@ class EarlyStoppingHook(TrainHook):
 
     def before_train(self, trainer: TrainerLike, **kwargs: Any) -> None:
         if not any(isinstance(hook, EvalHook) for hook in trainer.hooks):
-            logger.warning("EarlyStoppingHook has no EvalHook to watch: set TEST.EVAL_PERIOD > 0")
+            logger.warning("EarlyStoppingHook has no EvalHook to watch: set HOOKS.EVAL.PERIOD > 0")
         if self.stop_reason and self._still_stopped():
             logger.info(f"This run was stopped early ({self.stop_reason}); it stays stopped. Disable "
                         "HOOKS.EARLY_STOPPING or raise its PATIENCE / STOPPING_THRESHOLD to train on.")

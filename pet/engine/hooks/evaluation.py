@@ -60,10 +60,10 @@ class EvalHook(TrainHook):
 
     @classmethod
     def from_config(cls, cfg: CfgNode, trainer: TrainerLike) -> EvalHook | None:
-        """``TEST.EVAL_PERIOD`` > 0 with ``TEST.DATASETS``: :func:`default_eval_function` every period."""
-        if cfg.TEST.EVAL_PERIOD <= 0 or not cfg.TEST.DATASETS:
+        """``HOOKS.EVAL.PERIOD`` > 0 with ``TEST.DATASETS``: :func:`default_eval_function` every period."""
+        if cfg.HOOKS.EVAL.PERIOD <= 0 or not cfg.TEST.DATASETS:
             return None
-        return cls(cfg.TEST.EVAL_PERIOD, default_eval_function(cfg))
+        return cls(cfg.HOOKS.EVAL.PERIOD, default_eval_function(cfg))
 
     def after_step(self, trainer: TrainerLike, **kwargs: Any) -> None:
         # Epoch mode validates in the step that ends the epoch (not in after_epoch), so the

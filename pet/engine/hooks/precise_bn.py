@@ -69,11 +69,11 @@ class PreciseBN(TrainHook):
 
     @classmethod
     def from_config(cls, cfg: CfgNode, trainer: TrainerLike) -> PreciseBN | None:
-        """``TEST.PRECISE_BN`` settings. The batches come from the trainer's loader when the caller gave
+        """``HOOKS.PRECISE_BN`` settings. The batches come from the trainer's loader when the caller gave
         the trainer one (their data, their model's batch format); else from a second loader over
         ``TRAIN.DATASETS``, as detectron2 does, built at the first update so a run that never
         gets there pays nothing."""
-        settings = cfg.TEST.PRECISE_BN
+        settings = cfg.HOOKS.PRECISE_BN
         if not settings.ENABLED:
             return None
         if not getattr(trainer, "data_loader_from_cfg", True):
