@@ -3,14 +3,14 @@
 Kept free of the loop, the hooks and the test loop so every one of them can import it
 (``pet/engine`` is an acyclic graph of modules; this is one of its roots, with :mod:`pet.engine.metrics`).
 
-**The model and the evaluator.** docs/design.md asks two things at once: ``Trainer(cfg)`` and the test
+**The model and the evaluator.** DESIGN.md asks two things at once: ``Trainer(cfg)`` and the test
 loop build the detector and the evaluator the config names, and ``pet/engine`` never imports
 ``pet.modeling`` or ``pet.evaluation`` (the models never see the engine; evaluation uses the engine's
 callbacks). :func:`build_model` and :func:`build_evaluator` reconcile them: each finds the builder of
 the package that owns the registry (:mod:`pet.modeling.build`, :mod:`pet.evaluation.build`) by its
 dotted name on first use, as MMEngine finds a registry by its default scope. These two names are the
 only place the engine names those packages, and no import statement does; passing builders in from
-every entry point instead would leave ``Trainer(cfg)`` (docs/design.md's contract) without one.
+every entry point instead would leave ``Trainer(cfg)`` (DESIGN.md's contract) without one.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The jobs live apart: :class:`pet.engine.inference_timer.InferenceTimer` times the stages,
 :class:`pet.engine.inference.TestCallback` is the callback contract. TestHook is a TestCallback that
-holds a timer and offers it with Pet's API (docs/design.md); a hook that only acts on results
+holds a timer and offers it with Pet's API (DESIGN.md); a hook that only acts on results
 (a visualiser, a results dumper) subclasses TestCallback.
 """
 from __future__ import annotations
