@@ -68,6 +68,13 @@ def test_the_link_checker_sees_a_missing_file_and_a_missing_anchor(tmp_path):
                                   "#nowhere: no heading with anchor #nowhere in " + os.path.relpath(page, ROOT)]
 
 
+def test_every_config_the_docs_name_exists():
+    named = {(os.path.relpath(page, ROOT), path) for page in DOC_PAGES
+             for path in re.findall(r"cfgs/[\w./-]+\.yaml", page.read_text(encoding="utf-8"))}
+    assert len(named) > 10
+    assert sorted(item for item in named if not os.path.isfile(os.path.join(ROOT, item[1]))) == []
+
+
 def _quick_start_commands() -> list[str]:
     readme = DOC_PAGES[0].read_text(encoding="utf-8")
     quick_start = readme.split("\n## Quick start\n")[1].split("\n## ")[0]
