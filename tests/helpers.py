@@ -160,6 +160,32 @@ def final_weights(ckpt: Any) -> dict[str, torch.Tensor]:
     return torch.load(os.path.join(ckpt, "model_final.pth"), weights_only=True)["model"]
 
 
+# ------------------------------------------------------------------------------------------------ docs
+# The pages users read, README first: their examples are code users copy, so tests run them as written.
+DOC_PAGES = (Path(ROOT) / "README.md", *sorted((Path(ROOT) / "docs").glob("*.md")))
+
+
+def doc_blocks(language: str) -> list[str]:
+    """Every fenced ``language`` block of the doc pages, in page order; a block moved to another page keeps its test."""
+    blocks: list[str] = []
+    for page in DOC_PAGES:
+        block: list[str] | None = None
+        for line in page.read_text(encoding="utf-8").splitlines(keepends=True):
+            if block is None and line.strip() == f"```{language}":
+                block = []
+            elif block is not None and line.strip() == "```":
+                blocks.append("".join(block))
+                block = None
+            elif block is not None:
+                block.append(line)
+    return blocks
+
+
+def doc_block(language: str, marker: str) -> str:
+    """The first ``language`` block of the doc pages that contains ``marker``."""
+    return next(b for b in doc_blocks(language) if marker in b)
+
+
 # ------------------------------------------------------------------------------------------------ datasets
 def register_split(root: str, split: str) -> str:
     """Register ``split`` of the generated set ``root`` under a fresh name (tests never share a catalog entry)."""

@@ -129,7 +129,7 @@ def test_a_read_only_ckpt_is_one_line_naming_it_and_what_to_do(tmp_path, fresh):
 
 
 def _no_space_line(disk) -> str:
-    """The one line a run whose checkpoint at iteration 4 finds ``disk`` full ends with (README's remedy)."""
+    """The line a run ends with when ``disk`` is full at its iteration-4 checkpoint (docs/guarantees.md's remedy)."""
     return (f"Error: Could not write {disk}/model_iter4.pth: No space left on device. The previous checkpoint is "
             f"intact; free space on the disk holding {disk}, then resume with the same command.")
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from format_sets import BACKGROUND, CLASSES, RARE, write_all_formats
-from helpers import DEMO_CFG, ROOT, run_tool_here
+from helpers import DEMO_CFG, doc_block, run_tool_here
 
 from pet.cli import seed_everything
 from pet.config import load_cfg
@@ -762,25 +762,20 @@ def test_visualize_data_and_test_net_work_on_a_voc_set(four_formats, tmp_path, m
     assert {"bbox/VOC_AP50", "bbox/AP", "bbox/AP-star"} <= metrics.keys(), sorted(metrics)
 
 
-# --------------------------------------------------------------------------- the README's entries
+# --------------------------------------------------------------------------- the entries of docs/data.md
 
 
-def _readme_yaml(marker: str) -> str:
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        return next(b for b in re.findall(r"```yaml\n(.*?)```", f.read(), flags=re.S) if marker in b)
-
-
-def test_the_readme_entries_of_each_format_register_and_its_data_settings_load(tmp_path, monkeypatch):
+def test_the_documented_entries_of_each_format_register_and_the_data_settings_load(tmp_path, monkeypatch):
     from pet.data import catalog
     from pet.data.catalog import get_dataset_spec, register_custom_datasets
 
-    monkeypatch.setattr(catalog, "_REGISTERED", dict(catalog._REGISTERED))  # the README's names stay in this test
-    (tmp_path / "formats.yaml").write_text(_readme_yaml("format: voc"))
+    monkeypatch.setattr(catalog, "_REGISTERED", dict(catalog._REGISTERED))  # the documented names stay in this test
+    (tmp_path / "formats.yaml").write_text(doc_block("yaml", "format: voc"))
     cfg = load_cfg(str(tmp_path / "formats.yaml"), [])
     register_custom_datasets(cfg)
     specs = {entry["name"]: get_dataset_spec(entry["name"]) for entry in cfg.DATA.CUSTOM}
     assert {s.format for s in specs.values()} == set(FORMATS)
     assert specs["cones_val"].split == "val" and specs["trees_train"].classes == ("Tree", "Snag")
-    (tmp_path / "settings.yaml").write_text(_readme_yaml("REPEAT_THRESHOLD"))
+    (tmp_path / "settings.yaml").write_text(doc_block("yaml", "REPEAT_THRESHOLD"))
     settings = load_cfg(str(tmp_path / "settings.yaml"), [])
     assert settings.DATA.SAMPLER == "RepeatFactorTrainingSampler" and settings.INPUT.CROP.SIZE == (800, 800)

@@ -211,7 +211,7 @@ class _Shifted:
         return detections
 
 
-# The gate's tolerances as the README states them (box: a fraction of the image's longer side; score: absolute).
+# The gate's tolerances as docs/deploy.md states them (box: a fraction of the image's longer side; score: absolute).
 STATED_TOLERANCE = {"box": 1e-3, "score": 1e-4}
 
 
@@ -236,7 +236,7 @@ def test_the_gate_holds_its_stated_box_and_score_tolerances(exports, shapes_root
 
 
 def test_the_gate_runs_two_images_one_image_and_a_blank_image(exports):
-    """The batches the README names: test images of several sizes and a blank one, in batches of 2 and 1; and
+    """The batches docs/deploy.md names: test images of several sizes and a blank one, in batches of 2 and 1; and
     tools/export.py compares on all of them (5 images in its report, for every architecture)."""
     export = exports["faster_rcnn"]
     batches = parity_batches(load_cfg(export.cfg_file, export.opts))

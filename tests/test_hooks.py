@@ -4,7 +4,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import sys
 from types import SimpleNamespace
 
@@ -20,6 +19,7 @@ from conftest import (
     scripted_eval,
     toy_trainer,
 )
+from helpers import doc_blocks
 
 from pet.config import load_cfg
 from pet.engine.build import build_train_hooks
@@ -330,20 +330,12 @@ def test_toy_loader_still_skips_without_set_start_iter(cfg_for, tmp_path):
     assert all(torch.equal(p, expected[n]) for n, p in _params(resumed).items())
 
 
-# ---------------------------------------------------------------------------------------- README
-DOC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "README.md")
-
-
-def _doc_blocks(language):
-    with open(DOC, encoding="utf-8") as f:
-        return re.findall(rf"```{language}\n(.*?)```", f.read(), flags=re.S)
-
-
+# ---------------------------------------------------------------------------------------- docs
 def test_doc_yaml_examples_are_valid_configs(tmp_path, monkeypatch):
-    blocks = [b for b in _doc_blocks("yaml") if "_BASE_" not in b]  # _BASE_ examples need their file tree
+    blocks = [b for b in doc_blocks("yaml") if "_BASE_" not in b]  # _BASE_ examples need their file tree
     assert len(blocks) >= 6
     # The plugin head example is the module its YAML example names.
-    (plugin,) = [b for b in _doc_blocks("python") if "def add_config" in b]
+    (plugin,) = [b for b in doc_blocks("python") if "def add_config" in b]
     (tmp_path / "my_project").mkdir()
     (tmp_path / "my_project" / "__init__.py").write_text("")
     (tmp_path / "my_project" / "heads.py").write_text(plugin)
@@ -356,11 +348,11 @@ def test_doc_yaml_examples_are_valid_configs(tmp_path, monkeypatch):
 
 
 def test_doc_after_val_hook_example_runs_and_resumes(cfg_for, tmp_path, monkeypatch):
-    code = next(b for b in _doc_blocks("python") if "class BestMetricLogger" in b)
+    code = next(b for b in doc_blocks("python") if "class BestMetricLogger" in b)
     (tmp_path / "pet_doc_example.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "pet_doc_example", raising=False)
-    spec = next(b for b in _doc_blocks("yaml") if "BestMetricLogger" in b)
+    spec = next(b for b in doc_blocks("yaml") if "BestMetricLogger" in b)
     (tmp_path / "run.yaml").write_text(spec.replace("my_project.hooks.", "pet_doc_example."))
     table = {n: {"bbox/AP": [0.2, 0.5, 0.3, 0.4][n // 2 - 1]} for n in (2, 4, 6, 8)}
     cfg = load_cfg(str(tmp_path / "run.yaml"), ["CKPT", str(tmp_path / "out"), "DEVICE", "cpu", "HOOKS.EVAL.PERIOD",

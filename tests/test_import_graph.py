@@ -1,4 +1,4 @@
-"""The dependency rules of DESIGN.md, read from the source: pet/engine is acyclic and imports at module level.
+"""The dependency rules of docs/design.md, read from the source: pet/engine is acyclic and imports at module level.
 
 Every module under pet/ is parsed (nothing is imported), so a rule broken anywhere fails
 here with the modules named, not as an ImportError on some other path.

@@ -1,38 +1,25 @@
-"""The README's examples are code users copy: run them as written."""
+"""The examples of README.md and docs/ are code users copy: run them as written."""
 from __future__ import annotations
 
 import csv
 import json
 import os
-import re
 import sys
 
 import pytest
 import torch
 from conftest import InfiniteToyLoader, ToyModel
-from helpers import DEMO_CFG, ROOT
+from helpers import CFGS, doc_block
 
 from pet.config import load_cfg
 from pet.engine.trainer import Trainer
 
-README = os.path.join(ROOT, "README.md")
-
-
-def _blocks(language: str) -> list[str]:
-    with open(README, encoding="utf-8") as f:
-        return re.findall(rf"```{language}\n(.*?)```", f.read(), flags=re.S)
-
-
-def _block(language: str, marker: str) -> str:
-    """The README's first ``language`` block that contains ``marker``."""
-    return next(b for b in _blocks(language) if marker in b)
-
 
 @pytest.fixture
 def my_project(tmp_path, monkeypatch):
-    """The user's package of the README's examples: ``my_project`` under tmp_path, importable and new to this test.
+    """The user's package of the docs' examples: ``my_project`` under tmp_path, importable and new to this test.
 
-    ``my_project(module, marker)`` writes the README's Python block containing ``marker`` as ``my_project/<module>.py``.
+    ``my_project(module, marker)`` writes the docs' Python block containing ``marker`` as ``my_project/<module>.py``.
     """
     for name in [m for m in sys.modules if m == "my_project" or m.startswith("my_project.")]:
         monkeypatch.delitem(sys.modules, name)  # another test's my_project (and its submodules) must not leak in
@@ -42,23 +29,15 @@ def my_project(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
 
     def add_module(module: str, marker: str) -> None:
-        (package / f"{module}.py").write_text(_block("python", marker))
+        (package / f"{module}.py").write_text(doc_block("python", marker))
 
     return add_module
-
-
-def test_quick_start_has_exactly_two_commands_and_ci_runs_the_second():
-    quick_start = open(README, encoding="utf-8").read().split("## Quick start")[1].split("\n## ")[0]
-    commands = re.findall(r"```bash\n(.*?)```", quick_start, flags=re.S)
-    assert len(commands) == 2 and all(len(c.strip().splitlines()) == 1 for c in commands)
-    ci = open(os.path.join(os.path.dirname(README), ".ci", "run"), encoding="utf-8").read()
-    assert commands[1].strip() in ci
 
 
 def test_custom_hook_and_writer_examples_work_from_yaml(tmp_path, my_project):
     my_project("hooks", "class GradNorm")
     my_project("writers", "class CSVWriter")
-    (tmp_path / "run.yaml").write_text(_block("yaml", "my_project.hooks.GradNorm") + "SOLVER:\n  MAX_ITER: 10\n")
+    (tmp_path / "run.yaml").write_text(doc_block("yaml", "my_project.hooks.GradNorm") + "SOLVER:\n  MAX_ITER: 10\n")
 
     cfg = load_cfg(str(tmp_path / "run.yaml"), ["CKPT", str(tmp_path / "out"), "DEVICE", "cpu", "DISPLAY_ITER", "4",
                                                 "TRAIN.AUTO_RESUME", "False"])
@@ -83,10 +62,14 @@ def test_add_your_own_model_example_builds_and_trains(tmp_path, my_project):
     my_project("heads", "class ConvFCHead")
     cfg_dir = tmp_path / "cfgs" / "mine"
     cfg_dir.mkdir(parents=True)
-    shapes_dir = tmp_path / "cfgs" / "shapes"
-    shapes_dir.mkdir()
-    (shapes_dir / "faster_rcnn_R-10-FPN.yaml").write_text(open(DEMO_CFG).read())
-    (cfg_dir / "conv_head.yaml").write_text(_block("yaml", "my_project.heads.ConvFCHead"))
+    spec = doc_block("yaml", "my_project.heads.ConvFCHead")
+    base_name = spec.split("_BASE_:")[1].split()[0]  # relative to the user's cfgs/mine/, like Pet's own configs
+    shipped = os.path.normpath(os.path.join(CFGS, "mine", base_name))
+    assert os.path.isfile(shipped), f"the example starts from {base_name}, which Pet does not ship"
+    base = cfg_dir / base_name
+    base.parent.mkdir(parents=True, exist_ok=True)
+    base.write_text(open(shipped).read())
+    (cfg_dir / "conv_head.yaml").write_text(spec)
 
     model = build_model(load_cfg(str(cfg_dir / "conv_head.yaml")))
     assert type(model.roi_heads.box_head).__name__ == "ConvFCHead"
@@ -103,7 +86,7 @@ def test_dump_detections_test_hook_example_writes_one_line_per_image(tmp_path, m
     from pet.engine.inference import inference_on_dataset
 
     my_project("test_hooks", "class DumpDetections")
-    (tmp_path / "run.yaml").write_text(_block("yaml", "my_project.test_hooks.DumpDetections"))
+    (tmp_path / "run.yaml").write_text(doc_block("yaml", "my_project.test_hooks.DumpDetections"))
     cfg = load_cfg(str(tmp_path / "run.yaml"), ["CKPT", str(tmp_path / "out"), "DEVICE", "cpu"])
 
     class TwoBoxes(torch.nn.Module):

@@ -6,7 +6,7 @@
 
 SRC: an image, a folder (recursive), a glob, a text file of paths, or a video. Weights as in test_net
 (TEST.WEIGHTS, else CKPT/model_final.pth). Output: --output, default CKPT/predict/ (the files are listed
-in pet/predict/writers.py and the README). An unreadable image is skipped and counted (DATA.ON_BAD_IMAGE
+in pet/predict/writers.py and docs/predict.md). An unreadable image is skipped and counted (DATA.ON_BAD_IMAGE
 error on the command line stops instead); a missing input, an empty folder, an unreadable video or an
 unwritable output folder is one line and exit status 2, before any work (an input mistake before the output
 folder is made). ``--backend auto`` runs the fastest of PyTorch and this config's exports on this CPU, as

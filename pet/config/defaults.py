@@ -28,7 +28,7 @@ _C.DATA = CN()
 # DataLoader worker processes per training/test process.
 _C.DATA.NUM_WORKERS = 2
 # Extra datasets registered at start-up, then named in TRAIN.DATASETS / TEST.DATASETS; each
-# {name, format, path, images, split, classes} (README "Your own data"): format coco (default;
+# {name, format, path, images, split, classes} (docs/data.md): format coco (default;
 # path: the JSON, images: its image folder; `json:`, path's old name, until 0.3.0), yolo (path: data.yaml,
 # split: train/val/test), voc (path: the VOC root, split: an ImageSets/Main name) or csv (path:
 # the CSV, images: the folder its paths are relative to; columns: {role: header name}). classes:

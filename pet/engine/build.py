@@ -49,8 +49,8 @@ __all__ = [
 # The built-in hooks in registration order. Kept as one list, not derived from registration: equal
 # priorities run in this order (EarlyStoppingHook before PeriodicWriter, CheckpointHook before
 # BestCheckpointHook), which is behaviour, and import order should not decide it. A hook's settings
-# stay in pet/config/defaults.py, which DESIGN.md makes the one place listing every key, commented;
-# a user's own hook declares its keys next to it with ``add_config`` (README, "Extending Pet").
+# stay in pet/config/defaults.py, which docs/design.md makes the one place listing every key, commented;
+# a user's own hook declares its keys next to it with ``add_config`` (docs/extending.md).
 DEFAULT_TRAIN_HOOKS: tuple[type[TrainHook], ...] = (
     IterationTimer,
     LRScheduler,

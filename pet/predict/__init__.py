@@ -2,7 +2,7 @@
 
 ``from pet.predict import Predictor``: ``Predictor(cfg)(image)`` for one picture, ``.stream(source)`` for a
 folder, a glob, a list, a video or a very large image by tiles; :class:`PredictionWriter` saves the
-results in the formats of DESIGN.md ("Predicting").
+results in the formats of docs/predict.md.
 """
 from pet.predict.predictor import PREDICT_DEFAULTS, Detections, Predictor, PredictStats, predict_cfg
 from pet.predict.sources import Source

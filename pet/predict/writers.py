@@ -1,6 +1,6 @@
 """The files tools/predict.py writes (``--save``), several at once, each one complete or absent.
 
-Under the output folder (docs: README "Predict"):
+Under the output folder (docs/predict.md):
 
 - ``csv``: ``predictions.csv``, one row per detection: ``image,xmin,ymin,xmax,ymax,score,label,name``
   (``image``: the path as given or found, ``<video>#<frame>`` for a frame; ``label``: the category id).

@@ -3,7 +3,7 @@
 Each reader turns its files into a COCO-format dict in memory (:class:`ReadAnnotations`), which
 then goes through the same validation as a COCO file (:func:`pet.data.coco_json.build_coco_dataset`),
 so every format gives the same kind of dataset to training, evaluation and the tools. Class ids
-follow DESIGN.md: the entry's ``classes`` list when given, else COCO's categories, YOLO's ``names``
+follow docs/data.md: the entry's ``classes`` list when given, else COCO's categories, YOLO's ``names``
 (index i -> id i + 1), or the sorted class names of a VOC or CSV set (ids 1..K).
 """
 from __future__ import annotations

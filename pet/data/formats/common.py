@@ -40,7 +40,7 @@ class ReadAnnotations:
 
 
 class ClassList:
-    """Class name -> category id for one dataset, by DESIGN.md's rules.
+    """Class name -> category id for one dataset, by the rules of docs/data.md ("Class ids").
 
     With ``classes`` (the DATA.CUSTOM entry's list), class i of it is id i + 1 and a name outside
     it is an error naming where it was found. Without, ``default`` gives the list (YOLO's ``names``),
