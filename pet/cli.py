@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from fvcore.common.config import CfgNode
 
+from pet.checkpoint import load_weights
 from pet.config import default_weights, load_cfg
 from pet.data import register_custom_datasets
 from pet.data.workers import WORKER_DIED_EXIT_CODE, remedy, worker_death
@@ -32,7 +33,6 @@ from pet.utils.files import write_failure_remedy
 from pet.utils.logger import setup_logger
 from pet.utils.model_summary import log_model_summary
 from pet.utils.rng import seed_everything
-from pet.utils.weights import load_weights
 
 __all__ = [
     "default_argument_parser",
@@ -128,7 +128,7 @@ def build_test_model(cfg: CfgNode, *, weights: str = "", unsafe: bool = False) -
     on ``DEVICE``, as tools/test_net.py evaluates it.
 
     Weights that leave part of the model at its initial values are a :class:`ConfigError` naming the part,
-    unless ``TEST.ALLOW_RANDOM_WEIGHTS`` (:func:`pet.utils.weights.load_weights` with ``for_inference``)."""
+    unless ``TEST.ALLOW_RANDOM_WEIGHTS`` (:func:`pet.checkpoint.load_weights` with ``for_inference``)."""
     model = prepare_model(build_model(cfg), cfg)
     load_weights(model, weights or default_weights(cfg), unsafe=unsafe, for_inference=True,
                  allow_random=cfg.TEST.ALLOW_RANDOM_WEIGHTS)

@@ -13,7 +13,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # old module -> (new module, a name both offer)
 MOVED = {
     "pet.evaluation.files": ("pet.utils.files", "write_json_atomic"),
-    "pet.engine.resume": ("pet.engine.checkpointer", "Checkpointer"),
+    "pet.engine.resume": ("pet.checkpoint", "Checkpointer"),
+    "pet.engine.checkpointer": ("pet.checkpoint", "Checkpointer"),
+    "pet.engine.checkpoint": ("pet.checkpoint", "read_last_checkpoint"),
+    "pet.utils.weights": ("pet.checkpoint", "load_weights"),
     "pet.engine.common": ("pet.engine.models", "unwrap_model"),
     "pet.engine.timing": ("pet.engine.inference_timer", "InferenceTimer"),
     "pet.engine.defaults": ("pet.cli", "build_trainer"),

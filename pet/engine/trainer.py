@@ -5,7 +5,7 @@ iteration or epoch mode), which calls :meth:`Trainer.run_steps`; :meth:`Trainer.
 iteration. What a step does (forward, backward, AMP, optimizer) is in :mod:`pet.engine.step`; what
 happens around it (schedules, logging, validation, checkpoints) is in hooks (:mod:`pet.engine.hooks`)
 called at fixed mount points, in priority order; checkpoints are written and read by
-``trainer.checkpointer`` (:mod:`pet.engine.checkpointer`).
+``trainer.checkpointer`` (:mod:`pet.checkpoint`).
 
 One counter: ``trainer.iter == storage.iter`` at every mount point. Inside a step it is
 the 1-based number of the running iteration; outside one, the number of iterations
@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from fvcore.common.config import CfgNode
 
+from pet.checkpoint import Checkpointer
 from pet.data import build_train_loader
 from pet.data.workers import WORKER_DIED_EXIT_CODE, remedy
 from pet.engine.build import build_train_hooks, prepare_model
-from pet.engine.checkpointer import Checkpointer
 from pet.engine.events import EventStorage
 from pet.engine.hooks.base import HookList, TrainHook
 from pet.engine.loops import TrainLoop, WorkerDiedAtFetch, build_loop

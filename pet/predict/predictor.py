@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from fvcore.common.config import CfgNode
 
+from pet.checkpoint import load_checkpoint
 from pet.cli import build_test_model
 from pet.config import default_weights, load_cfg
 from pet.data import build_augmentations, read_image, register_custom_datasets
@@ -43,7 +44,6 @@ from pet.predict.tiling import TileSpec, merge_tiles
 from pet.utils.errors import ConfigError, DataError
 from pet.utils.tensor import move_to_device
 from pet.utils.timers import activate
-from pet.utils.weights import load_checkpoint
 
 __all__ = ["Detections", "Predictor", "PredictStats", "PREDICT_DEFAULTS", "predict_cfg", "model_score_thresh",
            "with_score_thresh"]
