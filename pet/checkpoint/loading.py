@@ -79,8 +79,11 @@ def _unreadable(path: str, exc: BaseException) -> ConfigError:
 
 
 def load_weights(model: torch.nn.Module, path: str, *, unsafe: bool = False, for_inference: bool = False,
-                 allow_random: bool = False) -> dict[str, list[str]]:
+                 allow_random: bool = False, checkpoint: Any = None) -> dict[str, list[str]]:
     """Load the weights file ``path`` into ``model`` (initialisation, not a resume).
+
+    ``checkpoint``: the file's contents when the caller has read them already (:func:`load_checkpoint`;
+    Predictor also reads the label space from them), so the file is read once; ``path`` then only names it.
 
     Returns ``{"missing": [...], "unexpected": [...], "mismatched": [...]}``: keys of the
     model the file lacks, keys of the file the model lacks, and keys whose shapes differ
@@ -88,7 +91,8 @@ def load_weights(model: torch.nn.Module, path: str, *, unsafe: bool = False, for
     ``for_inference``: raise a :class:`ConfigError` naming the parts left at their initial values
     (missing or mismatched keys), unless ``allow_random`` (module docstring).
     """
-    checkpoint = load_checkpoint(path, unsafe=unsafe)
+    if checkpoint is None:
+        checkpoint = load_checkpoint(path, unsafe=unsafe)
     state = checkpoint.get("model", checkpoint) if isinstance(checkpoint, dict) else None
     if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ConfigError(f"{path} holds no state_dict: expected a dict of tensors or a Pet checkpoint with 'model'")

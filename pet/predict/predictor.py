@@ -177,8 +177,9 @@ class Predictor:
         elif model is None:
             self.cfg = with_score_thresh(self.cfg, score_thresh)
             model_file = weights or default_weights(self.cfg)
-            model = build_test_model(self.cfg, weights=model_file, unsafe=unsafe_load)
-            recorded = label_space_from_checkpoint(load_checkpoint(model_file, unsafe=unsafe_load))
+            checkpoint = load_checkpoint(model_file, unsafe=unsafe_load)  # read once: weights and label space
+            model = build_test_model(self.cfg, weights=model_file, checkpoint=checkpoint)
+            recorded = label_space_from_checkpoint(checkpoint)
         self.model = model.eval()
         self.label_space = label_space or model_label_space(self.cfg, recorded, model_file)
         self._category_ids = np.array((0, *self.label_space.category_ids), dtype=np.int64)
