@@ -34,7 +34,7 @@ def _imported_names(node: ast.AST) -> Iterator[str]:
     if isinstance(node, ast.Import):
         yield from (alias.name for alias in node.names)
     elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-        for alias in node.names:  # "from pet.engine import checkpointer" imports the module pet.engine.checkpointer
+        for alias in node.names:  # "from pet.engine import trainer" imports the module pet.engine.trainer
             submodule = f"{node.module}.{alias.name}"
             yield submodule if submodule in MODULES else node.module
 

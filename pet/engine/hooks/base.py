@@ -1,6 +1,6 @@
 """The hook contract: TrainHook, Priority and the HookList that orders, calls, keys and times hooks.
 
-A hook overrides any of the mount points below. The trainer calls every point with
+A hook overrides any of the mount points below. The train loop (:mod:`pet.engine.loops`) calls every point with
 keyword arguments only (always ``trainer=`` and ``storage=``, plus ``epoch=``/``max_epochs=``
 in epoch mode, ``metrics=`` for ``after_val`` and ``checkpoint=`` for the checkpoint
 points), so a hook declares just what it needs and swallows the rest with ``**kwargs``::
@@ -77,7 +77,8 @@ MOUNT_POINTS = (
 
 
 class TrainerLike(Protocol):
-    """What a hook may rely on in ``trainer`` (:class:`pet.engine.trainer.Trainer` has all of it).
+    """What a hook may rely on in ``trainer`` (:class:`pet.engine.trainer.Trainer` has all of it; so must a
+    trainer of your own that runs Pet's hooks). A Protocol because hooks are imported by the trainer module.
 
     ``iter`` and ``storage.iter`` are one counter: the 1-based number of the current
     iteration inside a step, the number of iterations completed outside one (so
