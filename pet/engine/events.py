@@ -345,4 +345,4 @@ def read_metrics(json_file: str) -> list[dict[str, float]]:
 
 def _truncate_metrics(json_file: str, last_iter: int) -> None:
     kept: Iterable[dict] = (r for r in read_metrics(json_file) if r.get("iteration", 0) <= last_iter)
-    write_bytes_atomic(json_file, "".join(json.dumps(record) + "\n" for record in kept).encode("utf-8"))
+    write_bytes_atomic(json_file, "".join(json.dumps(record) + "\n" for record in kept).encode("utf-8"), fsync=True)
