@@ -38,7 +38,6 @@ from pet.checkpoint.files import atomic_save, explain_write_failure, read_last_c
 from pet.checkpoint.loading import load_checkpoint, load_weights
 from pet.data.categories import dataset_label_space
 from pet.utils import comm
-from pet.utils.comm import unwrap_model
 from pet.utils.errors import ConfigError, PetError, TrainingError
 from pet.utils.files import atomic_path, write_bytes_atomic
 from pet.utils.rng import get_rng_state, set_rng_state
@@ -102,7 +101,7 @@ class Checkpointer:
         trainer = self.trainer
         grad_scaler = trainer.train_step.grad_scaler
         state: dict[str, Any] = {
-            "model": unwrap_model(trainer.model).state_dict(),
+            "model": comm.unwrap_model(trainer.model).state_dict(),
             "optimizer": trainer.optimizer.state_dict(),
             "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
             "iter": trainer.iter,
@@ -244,7 +243,7 @@ class Checkpointer:
             )
         # With EMAHook, "model" holds the averaged weights (what test and deployment use)
         # and "model_raw" the ones training continues from.
-        unwrap_model(trainer.model).load_state_dict(state.get("model_raw", state["model"]))
+        comm.unwrap_model(trainer.model).load_state_dict(state.get("model_raw", state["model"]))
         if optimizer_state and state.get("optimizer"):
             _load_optimizer_state(trainer.optimizer, state["optimizer"])
         if state.get("scheduler") and trainer.scheduler is not None:
