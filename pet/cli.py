@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from fvcore.common.config import CfgNode
 
+from pet.checkpoint import load_weights
 from pet.config import default_weights, load_cfg
 from pet.data import register_custom_datasets
 from pet.data.workers import WORKER_DIED_EXIT_CODE, remedy, worker_death
@@ -32,7 +33,6 @@ from pet.utils.files import write_failure_remedy
 from pet.utils.logger import setup_logger
 from pet.utils.model_summary import log_model_summary
 from pet.utils.rng import seed_everything
-from pet.utils.weights import load_weights
 
 __all__ = [
     "default_argument_parser",
@@ -125,15 +125,17 @@ def build_trainer(cfg: CfgNode, *, resume: bool = False, unsafe: bool = False, w
     return trainer
 
 
-def build_test_model(cfg: CfgNode, *, weights: str = "", unsafe: bool = False) -> torch.nn.Module:
+def build_test_model(cfg: CfgNode, *, weights: str = "", unsafe: bool = False,
+                     checkpoint: Any = None) -> torch.nn.Module:
     """The model of ``cfg`` with ``weights`` (default: :func:`pet.config.default_weights`) loaded,
-    on ``DEVICE``, as tools/test_net.py evaluates it.
+    on ``DEVICE``, as tools/test_net.py evaluates it; ``checkpoint``: the file's contents when the caller
+    has read them already (:func:`pet.checkpoint.load_checkpoint`), so the file is read once.
 
     Weights that leave part of the model at its initial values are a :class:`ConfigError` naming the part,
-    unless ``TEST.ALLOW_RANDOM_WEIGHTS`` (:func:`pet.utils.weights.load_weights` with ``for_inference``)."""
+    unless ``TEST.ALLOW_RANDOM_WEIGHTS`` (:func:`pet.checkpoint.load_weights` with ``for_inference``)."""
     model = prepare_model(build_model(cfg), cfg)
     load_weights(model, weights or default_weights(cfg), unsafe=unsafe, for_inference=True,
-                 allow_random=cfg.TEST.ALLOW_RANDOM_WEIGHTS)
+                 allow_random=cfg.TEST.ALLOW_RANDOM_WEIGHTS, checkpoint=checkpoint)
     if comm.is_main_process():
         log_model_summary(model, cfg)
     return model

@@ -55,13 +55,13 @@ import torchvision
 from torchvision.models import ResNet50_Weights
 from torchvision.ops import FrozenBatchNorm2d
 
+from pet.checkpoint import load_weights
 from pet.config import load_cfg
 from pet.data.build import collate_batch
 from pet.data.categories import LabelSpace
 from pet.data.mapper import DatasetMapper
 from pet.data.shapes import render_picture
 from pet.modeling import build_model, poolers
-from pet.utils.weights import load_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SMALL_INPUT = ["INPUT.MIN_SIZE_TRAIN", "(192,)", "INPUT.MAX_SIZE_TRAIN", "288",

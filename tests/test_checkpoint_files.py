@@ -13,11 +13,10 @@ import torch
 from conftest import InfiniteToyLoader, ToyModel, regular_iters, toy_trainer
 from helpers import run_toy_train, start_and_wait_for_report
 
+from pet.checkpoint import load_checkpoint, load_weights, read_last_checkpoint
 from pet.cli import build_trainer
-from pet.engine.checkpoint import load_checkpoint, read_last_checkpoint
 from pet.utils import comm
 from pet.utils.errors import ConfigError
-from pet.utils.weights import load_weights
 
 
 def test_failed_checkpoint_write_keeps_the_previous_one_and_names_path_and_cause(tmp_path):

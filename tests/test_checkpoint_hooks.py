@@ -16,7 +16,7 @@ from conftest import (
     toy_trainer,
 )
 
-from pet.engine.checkpoint import load_checkpoint, read_last_checkpoint
+from pet.checkpoint import load_checkpoint, read_last_checkpoint
 from pet.engine.hooks import (
     BestCheckpointHook,
     CheckpointHook,

@@ -2,6 +2,7 @@
 release that removes it, and the changelog lists every one. The module paths deprecated in 0.1.0 are gone."""
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -59,3 +60,36 @@ def test_pet_itself_uses_no_deprecated_name():
             "pet.modeling, pet.predict")
     subprocess.run([sys.executable, "-W", "error::DeprecationWarning:pet", "-c", code], check=True,
                    env={**os.environ, "PYTHONPATH": ROOT})
+
+
+# Module paths moved in 0.2.0 (until 0.3.0): old module -> (new module, a name both offer).
+MOVED = {
+    "pet.engine.checkpointer": ("pet.checkpoint", "Checkpointer"),
+    "pet.engine.checkpoint": ("pet.checkpoint", "read_last_checkpoint"),
+    "pet.utils.weights": ("pet.checkpoint", "load_weights"),
+}
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_a_moved_module_path_warns_and_gives_the_same_objects(old, monkeypatch):
+    new, name = MOVED[old]
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
+        module = importlib.import_module(old)
+    assert getattr(module, name) is getattr(importlib.import_module(new), name)
+
+
+def test_the_changelog_lists_every_moved_module_path():
+    with open(os.path.join(ROOT, "CHANGELOG.md"), encoding="utf-8") as f:
+        deprecated = f.read().split("### Deprecated", 1)[1].split("###", 1)[0]
+    for old in MOVED:
+        assert f"`{old}`" in deprecated, old
+
+
+def test_pet_itself_imports_no_deprecated_path():
+    """Every package of Pet imported in a fresh interpreter: none of the old paths is among the modules loaded."""
+    code = ("import sys, pet.config, pet.data, pet.engine, pet.engine.hooks, pet.engine.trackers, pet.evaluation, "
+            "pet.modeling, pet.predict, pet.deploy, pet.checkpoint; print(' '.join(sorted(sys.modules)))")
+    proc = subprocess.run([sys.executable, "-W", "error::DeprecationWarning:pet", "-c", code], capture_output=True,
+                          text=True, check=True, env={**os.environ, "PYTHONPATH": ROOT})
+    assert not set(MOVED) & set(proc.stdout.split())

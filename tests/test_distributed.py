@@ -12,8 +12,8 @@ from conftest import run_two_ranks
 from helpers import DEMO_CFG, run_tool, tiny_set_opts
 
 from pet import cli
+from pet.checkpoint import load_checkpoint
 from pet.cli import distributed_backend, init_distributed
-from pet.engine.checkpoint import load_checkpoint
 from pet.engine.events import read_metrics
 from pet.utils import comm
 

@@ -1,6 +1,7 @@
 """The train loop and the Pet four hooks, on a toy model (no detector, no data set)."""
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -102,6 +103,36 @@ def test_mount_points_and_kwargs_epoch_mode(make_cfg):
     assert epochs == [("before_epoch", 0), ("after_epoch", 0), ("before_epoch", 1), ("after_epoch", 1)]
     assert sum(1 for _, point, _, _ in log if point == "after_step") == 6
     assert all(kwargs == ("epoch", "max_epochs", "storage", "trainer") for _, _, kwargs, _ in log)
+
+
+def test_one_iteration_goes_one_way_trainer_then_loop_then_hooks(make_cfg):
+    """Trainer.train hands the run to its loop, which steps and calls the hooks: no frame between the hook and
+    Trainer.train is the trainer's (the loop does not call back into it), in both modes."""
+
+    class Trace(TrainHook):
+        def __init__(self):
+            self.frames = {}
+
+        def _record(self, point):
+            stack = [(os.path.basename(f.filename), f.function) for f in inspect.stack()[2:]]
+            self.frames.setdefault(point, stack[:stack.index(("trainer.py", "train")) + 1])
+
+        def before_step(self, **kwargs):
+            self._record("before_step")
+
+        def after_step(self, **kwargs):
+            self._record("after_step")
+
+    for opts in (("SOLVER.MAX_ITER", 2), ("SOLVER.MAX_EPOCHS", 1)):
+        trace = Trace()
+        trainer = make_trainer(make_cfg(*opts), default_hooks=False, loader=ToyLoader(2))
+        trainer.register_hook(trace)
+        trainer.train()
+        for point in ("before_step", "after_step"):
+            assert trace.frames[point] == [("base.py", "__call__"), ("loops.py", "call_hooks"),
+                                           ("loops.py", "_run_step"), ("loops.py", "_run_steps"),
+                                           ("loops.py", "_run_epochs"), ("loops.py", "run"),
+                                           ("trainer.py", "train")], (opts, point)
 
 
 def test_after_train_runs_when_a_step_fails(make_cfg):

@@ -21,9 +21,9 @@ from conftest import (
 )
 from helpers import doc_blocks
 
+from pet.checkpoint import load_checkpoint, load_weights
 from pet.config import load_cfg
 from pet.engine.build import build_train_hooks
-from pet.engine.checkpoint import load_checkpoint
 from pet.engine.events import read_metrics
 from pet.engine.hooks import (
     HOOKS,
@@ -37,7 +37,6 @@ from pet.engine.hooks import (
 )
 from pet.engine.hooks import system as system_hooks
 from pet.utils.errors import ConfigError
-from pet.utils.weights import load_weights
 
 
 # ---------------------------------------------------------------------------------------- EvalHook

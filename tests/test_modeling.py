@@ -15,11 +15,11 @@ from torchvision.models._utils import IntermediateLayerGetter
 from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
 from torchvision.ops import FrozenBatchNorm2d
 
+from pet.checkpoint import load_weights
 from pet.config import load_cfg
 from pet.modeling import build_backbone, build_model
 from pet.modeling.backbone import build_resnet, freeze_stages, resnet10
 from pet.utils.errors import ConfigError
-from pet.utils.weights import load_weights
 
 LOSSES = {"loss_objectness", "loss_rpn_box_reg", "loss_classifier", "loss_box_reg"}
 
@@ -100,7 +100,7 @@ def test_torchvision_detection_state_dict_loads_without_leftovers(tmp_path, capl
     path = tmp_path / "frcnn.pth"
     torch.save(reference.state_dict(), path)
     model = build_model(_coco_cfg())
-    with caplog.at_level(logging.WARNING, logger="pet.utils.weights"):
+    with caplog.at_level(logging.WARNING, logger="pet.checkpoint.loading"):
         assert load_weights(model, str(path)) == {"missing": [], "unexpected": [], "mismatched": []}
     assert not caplog.records
     ours = model.state_dict()
@@ -173,7 +173,7 @@ def test_imagenet_resnet_initialises_the_backbone(tmp_path, caplog):
     path = tmp_path / "resnet18.pth"
     torch.save(classifier.state_dict(), path)
     model = build_model(load_cfg(DEMO_CFG, ALL_FOUR_STAGES))
-    with caplog.at_level(logging.WARNING, logger="pet.utils.weights"):
+    with caplog.at_level(logging.WARNING, logger="pet.checkpoint.loading"):
         report = load_weights(model, str(path))
     expected = {k: v for k, v in classifier.state_dict().items() if not k.startswith("fc.")}
     loaded = model.backbone.body.state_dict()

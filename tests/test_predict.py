@@ -550,6 +550,15 @@ def test_a_model_without_a_label_space_falls_back_to_its_test_set_then_to_number
     assert [r.levelname for r in caplog.records] == ["WARNING"] and "class_1 .. class_3" in caplog.text
 
 
+def test_a_predictor_reads_its_checkpoint_file_once_for_its_weights_and_its_class_names(demo, monkeypatch):
+    """The weights and the label space come from one read of the file (a weights file can be hundreds of MB)."""
+    reads, real_load = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda f, *args, **kwargs: reads.append(f) or real_load(f, *args, **kwargs))
+    predictor = Predictor(load_cfg(DEMO_CFG, [*demo.opts, "TEST.WEIGHTS", demo.renamed]))
+    assert reads == [demo.renamed]
+    assert predictor.label_space == RENAMED  # the names recorded in the file: read from that one load
+
+
 def test_torchvisions_coco_weights_predict_with_cocos_names_and_ids(caplog):
     """A torchvision COCO state_dict records nothing; the shipped COCO config names its 90 rows by category id
     from COCO's list (known without any file), so label 1 is 'person' and label 90 'toothbrush'."""

@@ -50,7 +50,7 @@ def test_a_larger_max_iter_and_new_steps_follow_the_new_schedule_exactly(make_cf
     _run(make_cfg(*SCHEDULE, "SOLVER.MAX_ITER", 6, "SOLVER.STEPS", "(4,)"))
     new_cfg = make_cfg(*SCHEDULE, "SOLVER.MAX_ITER", 12, "SOLVER.STEPS", "(8, 10)", "SOLVER.BASE_LR", 0.2,
                        "SOLVER.WEIGHT_DECAY", 0.01)
-    with caplog.at_level("INFO", logger="pet.engine"):
+    with caplog.at_level("INFO", logger="pet"):
         trainer, recorder = _run(new_cfg)
     assert trainer.start_iter == 6 and trainer.iter == 12
     assert recorder.lrs == _expected_lrs(new_cfg, 7, 12)  # 0.2 until 8, then 0.02, then 0.002
@@ -64,7 +64,7 @@ def test_a_larger_max_iter_and_new_steps_follow_the_new_schedule_exactly(make_cf
 
 def test_the_same_schedule_logs_no_change(make_cfg, caplog):
     _run(make_cfg(*SCHEDULE, "SOLVER.MAX_ITER", 6))
-    with caplog.at_level("INFO", logger="pet.engine"):
+    with caplog.at_level("INFO", logger="pet"):
         _run(make_cfg(*SCHEDULE, "SOLVER.MAX_ITER", 6))
     assert "changed schedule" not in caplog.text
 

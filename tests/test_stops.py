@@ -12,8 +12,8 @@ import torch.distributed as dist
 from conftest import IndexedToyLoader, NanLossModel, ToyModel, regular_iters, run_two_ranks, toy_trainer
 from helpers import final_weights, run_toy_train, start_and_wait_for_report
 
+from pet.checkpoint import read_last_checkpoint
 from pet.config import load_cfg
-from pet.engine.checkpoint import read_last_checkpoint
 from pet.engine.events import read_metrics
 from pet.engine.hooks import TrainHook
 from pet.engine.trainer import Trainer

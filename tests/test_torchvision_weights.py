@@ -27,11 +27,11 @@ import torch
 from helpers import CFGS, custom_datasets, run_tool
 from parity import ARCHS, _rescale_outputs, shapes_image
 
+from pet.checkpoint import load_weights
 from pet.config import load_cfg
 from pet.data import coco_categories
 from pet.modeling import build_model
 from pet.utils.errors import ConfigError
-from pet.utils.weights import load_weights
 
 FAVOURED = (13, 90)  # "stop sign" and "toothbrush": every other class is far below the score thresholds
 SHAPE_TO_COCO = {1: 13, 2: 90, 3: 1}  # the shapes' circles, rectangles and triangles as COCO category ids
@@ -225,7 +225,7 @@ def test_fine_tuning_from_torchvision_weights_reinitialises_the_class_head_with_
     torch.manual_seed(1)
     model = build_model(cfg)
     fresh = {k: v.clone() for k, v in model.state_dict().items()}
-    with caplog.at_level(logging.INFO, logger="pet.utils.weights"):
+    with caplog.at_level(logging.INFO, logger="pet.checkpoint.loading"):
         report = load_weights(model, torchvision_files[arch])
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     lines = [r.getMessage() for r in caplog.records if "re-initialised" in r.getMessage()]
@@ -260,7 +260,7 @@ def test_evaluating_with_a_class_head_of_another_size_is_an_error_naming_the_set
     with pytest.raises(ConfigError, match=r"roi_heads\.box_predictor\.\* \(4 tensors mismatched\).*"
                                           r"MODEL.NUM_CLASSES 80.*90 and category_id"):
         load_weights(model, torchvision_files["faster_rcnn"], for_inference=True)
-    with caplog.at_level(logging.INFO, logger="pet.utils.weights"):
+    with caplog.at_level(logging.INFO, logger="pet.checkpoint.loading"):
         report = load_weights(model, torchvision_files["faster_rcnn"], for_inference=True, allow_random=True)
     assert len(report["mismatched"]) == 4
     assert [r.levelno for r in caplog.records if "did not load" in r.getMessage()] == [logging.WARNING]

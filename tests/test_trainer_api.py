@@ -104,7 +104,7 @@ def test_auto_resume_from_python_continues_a_stopped_run_bit_identically(make_cf
     torch.manual_seed(0)
     resumed_model = RecordingModel()
     resumed = _trainer(make_cfg(*opts), resumed_model, batches)
-    with caplog.at_level("INFO", logger="pet.engine"):
+    with caplog.at_level("INFO", logger="pet"):
         resumed.train()
     assert "at iteration 6" in caplog.text and "Starting training from iteration 6 to 12" in caplog.text
     assert resumed_model.seen == [float(batches[i % 4][0][0, 0]) for i in range(6, 12)]

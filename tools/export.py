@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from pet.checkpoint import load_checkpoint, load_weights  # noqa: E402
 from pet.cli import launch_cli  # noqa: E402
 from pet.config import default_weights, load_cfg  # noqa: E402
 from pet.deploy.backend import WEIGHTS_SHA256_KEY, int8_path  # noqa: E402
@@ -38,7 +39,6 @@ from pet.predict.labels import ONNX_METADATA_KEY, label_space_from_checkpoint, m
 from pet.utils.errors import ConfigError  # noqa: E402
 from pet.utils.files import atomic_path, file_sha256  # noqa: E402
 from pet.utils.logger import setup_logger  # noqa: E402
-from pet.utils.weights import load_checkpoint, load_weights  # noqa: E402
 
 logger = logging.getLogger("pet.tools.export")
 

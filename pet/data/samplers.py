@@ -185,7 +185,7 @@ class _ResumableBatches:
 
 
 class BatchSampler(_ResumableBatches, torch.utils.data.BatchSampler):
-    """torch's BatchSampler, forwarding ``set_epoch`` to the sampler (the trainer calls it on the batch sampler)."""
+    """torch's BatchSampler, forwarding ``set_epoch`` to the sampler (the train loop calls it on the batch sampler)."""
 
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.sampler, "set_epoch"):

@@ -24,8 +24,8 @@ import torch
 from fvcore.common.config import CfgNode
 from fvcore.common.history_buffer import HistoryBuffer
 
-from pet.engine.checkpoint import atomic_write_bytes
 from pet.utils.errors import ConfigError
+from pet.utils.files import write_bytes_atomic
 from pet.utils.registry import Registry, build_from_spec, resolve_spec
 from pet.utils.visualization import plot_training_curves
 
@@ -345,4 +345,4 @@ def read_metrics(json_file: str) -> list[dict[str, float]]:
 
 def _truncate_metrics(json_file: str, last_iter: int) -> None:
     kept: Iterable[dict] = (r for r in read_metrics(json_file) if r.get("iteration", 0) <= last_iter)
-    atomic_write_bytes("".join(json.dumps(record) + "\n" for record in kept).encode("utf-8"), json_file)
+    write_bytes_atomic(json_file, "".join(json.dumps(record) + "\n" for record in kept).encode("utf-8"), fsync=True)

@@ -1,48 +1,89 @@
-"""Loop modes: how a run's iterations are grouped into epochs and where each step's batches come from.
+"""The train loop: it owns the iteration (fetch, step, hook calls, stop checks); the trainer holds the parts.
+
+One iteration, read top-down: :meth:`pet.engine.trainer.Trainer.train` resumes and calls
+:meth:`TrainLoop.run`, which calls ``before_train``, the mode's epochs (:meth:`TrainLoop._run_epochs`:
+``before_epoch``, steps, ``after_epoch``) and ``after_train`` (in a ``finally``); :meth:`TrainLoop._run_step`
+moves the counter, calls ``before_step``, fetches the batches, calls ``trainer.train_step``
+(:class:`pet.engine.step.TrainStep`), records its metrics, calls ``after_step`` and checks for a stop. The
+loop reads and sets what the trainer holds (``trainer.model``, ``train_step``, ``storage``, ``hooks``,
+``checkpointer``, ``iter``, ``epoch``, ``stop_training``) as MMEngine's loops use their runner; nothing
+calls back into the loop's caller.
 
 One class per mode, as MMEngine's ``IterBasedTrainLoop`` / ``EpochBasedTrainLoop``, so that neither the
 trainer nor the hooks branch on the mode: :class:`IterationLoop` (``SOLVER.MAX_ITER`` iterations, one
 ``before_epoch`` / ``after_epoch`` around them) and :class:`EpochLoop` (``SOLVER.MAX_EPOCHS`` passes over a
-finite loader). A loop calls back into the trainer for what every mode shares (``call_hooks``,
-``run_steps``); hooks ask it whether a period (in its unit) ends at an iteration (:meth:`TrainLoop.ends_period`).
+finite loader). Hooks ask the loop whether a period (in its unit) ends at an iteration
+(:meth:`TrainLoop.ends_period`).
 
 Both feed steps from passes over the loader, each after ``set_epoch(k)`` on its sampler, the first one
 starting where a resumed run left off (by index arithmetic with ``set_start_iter``, Pet's loaders; else by
 drawing and dropping batches); iteration mode chains the passes (:func:`endless_batches`).
+
+Stops: a hook's ``trainer.stop_training`` ends the run after the step (as planned: ``after_train``
+saves the final checkpoint); SIGTERM / SIGINT (:class:`StopSignals`) and a data-loading worker's death
+(:class:`WorkerDiedAtFetch`) save the iterations completed and raise
+:class:`~pet.utils.errors.TrainingInterrupted` with the exit code for the command line.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+import signal
+import threading
+import time
 from collections.abc import Iterable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from fvcore.common.config import CfgNode
 
-from pet.data.workers import fetch
+from pet.data.workers import WORKER_DIED_EXIT_CODE, fetch, remedy
+from pet.engine.events import EventStorage
 from pet.utils import comm
-from pet.utils.errors import ConfigError, TrainingError
+from pet.utils.errors import ConfigError, TrainingError, TrainingInterrupted
+from pet.utils.tensor import move_to_device
 
-__all__ = ["TrainLoop", "IterationLoop", "EpochLoop", "build_loop", "endless_batches", "WorkerDiedAtFetch"]
+if TYPE_CHECKING:  # the trainer builds and holds its loop; the loop only reads and sets the trainer's state
+    from pet.engine.trainer import Trainer
 
+__all__ = ["TrainLoop", "IterationLoop", "EpochLoop", "build_loop", "endless_batches", "WorkerDiedAtFetch",
+           "StopSignals"]
 
-class LoopTrainer(Protocol):
-    """What a loop drives: the trainer's counters and its step."""
-
-    iter: int
-    epoch: int
-    start_iter: int
-    stop_training: bool
-
-    def call_hooks(self, point: str, **kwargs: Any) -> None: ...
-
-    def run_steps(self, end: int) -> None: ...
+logger = logging.getLogger(__name__)
 
 
 class WorkerDiedAtFetch(Exception):
     """A data-loading worker died, seen at a training fetch: the state is that of the last completed iteration."""
 
 
+class StopSignals(contextlib.AbstractContextManager):
+    """While entered (in the main thread), SIGTERM / SIGINT ask training to finish the current step, save a
+    checkpoint and stop: ``received`` is the signal's number (0: none). A second one stops at once."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        self.received = 0
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _request_stop(self, signum: int, frame: Any) -> None:
+        if self.received:
+            raise KeyboardInterrupt
+        self.received = signum
+        logger.warning(f"Received {signal.Signals(signum).name}: stopping after the current iteration")
+
+
 class TrainLoop:
-    """What both modes share: the loader, ``accum_steps`` batches per iteration, the batch stream."""
+    """What both modes share: the run around the epochs, one step, the stops, the batch stream
+    (``accum_steps`` batches per iteration)."""
 
     max_iter: int
     max_epochs = 0  # epoch mode only
@@ -51,13 +92,40 @@ class TrainLoop:
     def __init__(self, data_loader: Iterable[Any], accum_steps: int) -> None:
         self.data_loader = data_loader
         self.accum_steps = accum_steps
+        self.signals = StopSignals()
         self._batches: Iterator[Any] = iter(())
 
-    def run(self, trainer: LoopTrainer) -> None:
-        """Run ``trainer`` from its ``start_iter`` to :attr:`max_iter`, with the epoch mount points."""
-        raise NotImplementedError
+    def run(self, trainer: Trainer) -> None:
+        """Train from ``trainer.start_iter`` to :attr:`max_iter`; ``after_train`` runs even when a step fails."""
+        trainer.model.train()
+        trainer.storage = EventStorage(trainer.start_iter)
+        with trainer.storage, self.signals:
+            try:
+                self.call_hooks(trainer, "before_train")
+                try:
+                    self._run_epochs(trainer)
+                except WorkerDiedAtFetch as death:
+                    self._save_and_stop(trainer, str(death), WORKER_DIED_EXIT_CODE,
+                                        advice=remedy(getattr(self.data_loader, "num_workers", None)))
+            except BaseException:
+                # The first error is the one to report: a hook failing in after_train
+                # (a full disk, say) is logged, not raised over it.
+                try:
+                    self.call_hooks(trainer, "after_train")
+                except Exception:
+                    logger.exception("after_train also failed while handling the error below")
+                raise
+            else:
+                self.call_hooks(trainer, "after_train")
+            finally:
+                if comm.is_main_process():
+                    logger.info(f"Time spent in hooks:\n{trainer.hooks.cost_table()}")
 
-    def hook_kwargs(self, trainer: LoopTrainer) -> dict[str, int]:
+    def call_hooks(self, trainer: Trainer, point: str, **kwargs: Any) -> None:
+        """Call mount point ``point`` on every hook with ``trainer``, ``storage`` and :meth:`hook_kwargs`."""
+        trainer.hooks(point, trainer=trainer, storage=trainer.storage, **{**self.hook_kwargs(trainer), **kwargs})
+
+    def hook_kwargs(self, trainer: Trainer) -> dict[str, int]:
         """The mode's extra keyword arguments for every mount point (``epoch=``/``max_epochs=`` in epoch mode)."""
         return {}
 
@@ -65,13 +133,61 @@ class TrainLoop:
         """Iteration ``iteration`` ends a period of ``period`` units of this mode (never for ``period <= 0``)."""
         return period > 0 and iteration % period == 0
 
-    def next_batches(self, iteration: int) -> list[Any]:
+    def _run_epochs(self, trainer: Trainer) -> None:
+        """The mode's epochs: ``before_epoch``, steps up to the epoch's end, ``after_epoch``."""
+        raise NotImplementedError
+
+    def _run_steps(self, trainer: Trainer, end: int) -> None:
+        """Run iterations until ``trainer.iter`` reaches ``end`` or a hook sets ``trainer.stop_training``."""
+        while trainer.iter < end and not trainer.stop_training:
+            self._run_step(trainer)
+
+    def _run_step(self, trainer: Trainer) -> None:
+        """One iteration: the counter moves to it, hooks around the step; a failure leaves it uncounted."""
+        trainer.iter += 1
+        try:
+            self.call_hooks(trainer, "before_step")
+            start = time.perf_counter()
+            batches = self._next_batches(trainer.iter)
+            if trainer.device.type != "cpu":
+                batches = [move_to_device(batch, trainer.device) for batch in batches]
+            trainer.last_data_seconds = time.perf_counter() - start
+            result = trainer.train_step(batches, iteration=trainer.iter, data_seconds=trainer.last_data_seconds,
+                                        stop_signal=self.signals.received)
+            trainer.last_step_seconds = time.perf_counter() - start
+            for name, value in result.metrics.items():  # already reduced over processes
+                trainer.storage.put_scalar(name, value)
+            if trainer.train_step.nonfinite_skipped:
+                trainer.storage.put_scalar("nonfinite_skipped", trainer.train_step.nonfinite_skipped,
+                                           smoothing_hint=False)
+            self.call_hooks(trainer, "after_step")
+        except BaseException:
+            trainer.iter -= 1
+            raise
+        # In one process a signal is known at once; across processes every one learns of a signal any
+        # of them got from the step's one reduction, so all stop after the same step, with no extra collective.
+        signum = result.stop_signal if comm.get_world_size() > 1 else self.signals.received
+        if signum:
+            self._save_and_stop(trainer, f"Training stopped by {signal.Signals(signum).name} after iteration "
+                                f"{trainer.iter}", 128 + signum)
+
+    def _save_and_stop(self, trainer: Trainer, reason: str, exit_code: int, advice: str = "") -> None:
+        """Save the iterations completed (:meth:`pet.checkpoint.Checkpointer.save_for_stop`: through
+        CheckpointHook's schedule when there is one, else ``model_iter{N}.pth`` in CKPT, so a stopped run can
+        always resume) and raise :class:`TrainingInterrupted` with ``exit_code``: one line, the reason, the
+        checkpoint, ``advice``."""
+        path = trainer.checkpointer.save_for_stop()
+        advice = f" If it happens again: {advice}." if advice else ""
+        raise TrainingInterrupted(f"{reason}; checkpoint {path}. Run the same command to resume from it.{advice}",
+                                  exit_code=exit_code)
+
+    def _next_batches(self, iteration: int) -> list[Any]:
         """The ``accum_steps`` batches of step ``iteration``; raises :class:`WorkerDiedAtFetch` when a data-loading
         worker of any process has died.
 
         The fetch is where a death is acted on (:func:`pet.data.workers.fetch`): before the forward
         pass, while weights, optimizer and counters are those of the last completed iteration, which
-        the trainer then saves. In a distributed run the processes agree here (one small all-reduce
+        the loop then saves. In a distributed run the processes agree here (one small all-reduce
         per step), so a process whose worker died does not leave the others waiting in the gradient
         all-reduce.
         """
@@ -96,11 +212,11 @@ class IterationLoop(TrainLoop):
         super().__init__(data_loader, accum_steps)
         self.max_iter = max_iter
 
-    def run(self, trainer: LoopTrainer) -> None:
-        trainer.call_hooks("before_epoch")
+    def _run_epochs(self, trainer: Trainer) -> None:
+        self.call_hooks(trainer, "before_epoch")
         self._batches = endless_batches(self.data_loader, trainer.start_iter * self.accum_steps)
-        trainer.run_steps(self.max_iter)
-        trainer.call_hooks("after_epoch")
+        self._run_steps(trainer, self.max_iter)
+        self.call_hooks(trainer, "after_epoch")
 
 
 class EpochLoop(TrainLoop):
@@ -117,18 +233,18 @@ class EpochLoop(TrainLoop):
         self.iters_per_epoch = batches // accum_steps
         self.max_iter = max_epochs * self.iters_per_epoch
 
-    def run(self, trainer: LoopTrainer) -> None:
+    def _run_epochs(self, trainer: Trainer) -> None:
         skip = trainer.start_iter - trainer.epoch * self.iters_per_epoch
         while trainer.epoch < self.max_epochs and not trainer.stop_training:
             _set_sampler_epoch(self.data_loader, trainer.epoch)
-            trainer.call_hooks("before_epoch")
+            self.call_hooks(trainer, "before_epoch")
             self._batches = _one_pass(self.data_loader, skip * self.accum_steps)
             skip = 0
-            trainer.run_steps((trainer.epoch + 1) * self.iters_per_epoch)
-            trainer.call_hooks("after_epoch")
+            self._run_steps(trainer, (trainer.epoch + 1) * self.iters_per_epoch)
+            self.call_hooks(trainer, "after_epoch")
             trainer.epoch += 1
 
-    def hook_kwargs(self, trainer: LoopTrainer) -> dict[str, int]:
+    def hook_kwargs(self, trainer: Trainer) -> dict[str, int]:
         return {"epoch": trainer.epoch, "max_epochs": self.max_epochs}
 
     def ends_period(self, iteration: int, period: int) -> bool:

@@ -1,4 +1,5 @@
-"""The model as the engine sees it: building it, where it runs, unwrapping it, calling it on a batch.
+"""The model as the engine sees it: building it, where it runs, unwrapping it (:func:`pet.utils.comm.unwrap_model`,
+re-exported here), calling it on a batch.
 
 Kept free of the loop, the hooks and the test loop so every one of them can import it
 (``pet/engine`` is an acyclic graph of modules; this is one of its roots, with :mod:`pet.engine.metrics`).
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from pet.utils.comm import unwrap_model
 from pet.utils.errors import TrainingError
 from pet.utils.registry import locate
 
@@ -63,11 +65,6 @@ def model_device(model: torch.nn.Module) -> torch.device:
     for tensor in (*model.parameters(), *model.buffers()):
         return tensor.device
     return torch.device("cpu")
-
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside DistributedDataParallel / DataParallel wrappers."""
-    return model.module if hasattr(model, "module") and isinstance(model.module, torch.nn.Module) else model
 
 
 def call_model(model: torch.nn.Module, batch: Any) -> Any:

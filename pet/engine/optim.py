@@ -10,12 +10,7 @@ import torch
 from fvcore.common.config import CfgNode
 from fvcore.common.param_scheduler import CosineParamScheduler, MultiStepParamScheduler, ParamScheduler
 
-__all__ = ["build_optimizer", "build_lr_scheduler", "lr_multiplier", "WarmupLR", "SCHEDULE_KEYS"]
-
-# The SOLVER keys that shape the learning rate of every iteration (checkpoints record them, so a
-# resume can say what changed).
-SCHEDULE_KEYS = ("BASE_LR", "LR_POLICY", "STEPS", "GAMMA", "WARMUP_ITERS", "WARMUP_FACTOR", "WEIGHT_DECAY",
-                 "MOMENTUM")
+__all__ = ["build_optimizer", "build_lr_scheduler", "lr_multiplier", "WarmupLR"]
 
 _NORM_TYPES = (
     torch.nn.modules.batchnorm._BatchNorm,

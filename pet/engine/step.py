@@ -1,6 +1,6 @@
 """One training step: forward, loss reduction, finite check, backward, optimizer (with AMP).
 
-The train loop (:mod:`pet.engine.trainer`) fetches a batch and calls :class:`TrainStep`;
+The train loop (:mod:`pet.engine.loops`) fetches a batch and calls :class:`TrainStep`;
 everything else around a step (schedules, logging, checkpoints) is a hook's job.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Detectors built from the config.
 
 ``build_model(cfg)`` builds the ``MODEL.META_ARCHITECTURE`` entry of
-``META_ARCH_REGISTRY``; ``pet.utils.weights.load_weights(model, path)`` loads a Pet
+``META_ARCH_REGISTRY``; ``pet.checkpoint.load_weights(model, path)`` loads a Pet
 checkpoint or a torchvision ``state_dict`` into it. To add a detector, backbone (or neck), RPN head,
 RoI box or mask head, or one-stage dense head, register it in the matching registry (see
 :mod:`pet.modeling.registry`, which also says what each entry is called with and returns) and name it in YAML.

@@ -40,7 +40,7 @@ class FasterRCNN(torch.nn.Module):
     # Whether the RoI heads get torchvision's mask branch and learn from target["masks"] (MaskRCNN).
     mask_on: bool = False
     # state_dict prefixes of the parameters whose shapes follow MODEL.NUM_CLASSES: weights for another number
-    # of classes re-initialise them when fine-tuning (pet.utils.weights.load_weights).
+    # of classes re-initialise them when fine-tuning (pet.checkpoint.load_weights).
     class_dependent_prefixes: tuple[str, ...] = ("roi_heads.box_predictor.",)
 
     def __init__(self, cfg: CfgNode) -> None:

@@ -70,7 +70,7 @@ class OneStageDetector:
     # Used by the weight loaders to rename torchvision classification weights.
     convert_state_dict = staticmethod(convert_state_dict)
     # state_dict prefixes of the parameters whose shapes follow MODEL.NUM_CLASSES: weights for another number
-    # of classes re-initialise them when fine-tuning (pet.utils.weights.load_weights).
+    # of classes re-initialise them when fine-tuning (pet.checkpoint.load_weights).
     class_dependent_prefixes: tuple[str, ...] = ("head.classification_head.cls_logits.",)
     # torchvision's FCOS.compute_loss also takes the number of anchors of each level (its size ranges are per
     # level); RetinaNet's does not.

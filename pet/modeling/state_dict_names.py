@@ -1,6 +1,6 @@
 """Translate torchvision ``state_dict`` names to Pet's (``FasterRCNN.convert_state_dict``).
 
-``pet.utils.weights.load_weights`` reads the file and calls this for Pet's detectors.
+``pet.checkpoint.load_weights`` reads the file and calls this for Pet's detectors.
 Recognised contents:
 
 - a Pet checkpoint: a dict whose ``"model"`` entry is the state_dict;

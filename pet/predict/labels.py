@@ -1,7 +1,7 @@
 """What a trained model's labels mean when it is used without its dataset.
 
 Checkpoints record the training set's :class:`~pet.data.categories.LabelSpace` under ``"label_space"``
-(:meth:`pet.engine.checkpointer.Checkpointer.state`) and ONNX exports under the metadata key
+(:meth:`pet.checkpoint.Checkpointer.state`) and ONNX exports under the metadata key
 ``pet.label_space`` (tools/export.py). A file from before that has none: the label space is then taken
 from the config's first test dataset when its categories can be read, else the labels are numbered
 ``class_<label>``; either way one warning says so.

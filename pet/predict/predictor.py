@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from fvcore.common.config import CfgNode
 
+from pet.checkpoint import load_checkpoint
 from pet.cli import build_test_model
 from pet.config import default_weights, load_cfg
 from pet.data import build_augmentations, read_image, register_custom_datasets
@@ -43,7 +44,6 @@ from pet.predict.tiling import TileSpec, merge_tiles
 from pet.utils.errors import ConfigError, DataError
 from pet.utils.tensor import move_to_device
 from pet.utils.timers import activate
-from pet.utils.weights import load_checkpoint
 
 __all__ = ["Detections", "Predictor", "PredictStats", "PREDICT_DEFAULTS", "predict_cfg", "model_score_thresh",
            "with_score_thresh"]
@@ -177,8 +177,9 @@ class Predictor:
         elif model is None:
             self.cfg = with_score_thresh(self.cfg, score_thresh)
             model_file = weights or default_weights(self.cfg)
-            model = build_test_model(self.cfg, weights=model_file, unsafe=unsafe_load)
-            recorded = label_space_from_checkpoint(load_checkpoint(model_file, unsafe=unsafe_load))
+            checkpoint = load_checkpoint(model_file, unsafe=unsafe_load)  # read once: weights and label space
+            model = build_test_model(self.cfg, weights=model_file, checkpoint=checkpoint)
+            recorded = label_space_from_checkpoint(checkpoint)
         self.model = model.eval()
         self.label_space = label_space or model_label_space(self.cfg, recorded, model_file)
         self._category_ids = np.array((0, *self.label_space.category_ids), dtype=np.int64)

@@ -23,6 +23,11 @@ def is_main_process() -> bool:
     return get_rank() == 0
 
 
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside a DistributedDataParallel / DataParallel wrapper (``model`` itself when unwrapped)."""
+    return model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
+
+
 def synchronize() -> None:
     """A barrier across processes (no-op in a single process)."""
     if get_world_size() > 1:

@@ -9,7 +9,7 @@ leaves complete files and, at worst, a staged one; never a truncated file under 
 The staged name is ``{path}.tmp{pid}`` (:func:`temporary_path`), or ``{stem}.tmp{pid}{ext}``
 with ``keep_extension`` for writers that choose the format by the extension (opencv's
 VideoWriter: ``clip.tmp4242.mp4``). :func:`is_temporary_name` recognises exactly the first form,
-so a run can remove what a killed one left (:func:`pet.engine.checkpoint.read_last_checkpoint` does
+so a run can remove what a killed one left (:func:`pet.checkpoint.read_last_checkpoint` does
 in the checkpoint folder) without touching a user's ``notes.tmp``.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The hook contract: TrainHook, Priority and the HookList that orders, calls, keys and times hooks.
 
-A hook overrides any of the mount points below. The trainer calls every point with
+A hook overrides any of the mount points below. The train loop (:mod:`pet.engine.loops`) calls every point with
 keyword arguments only (always ``trainer=`` and ``storage=``, plus ``epoch=``/``max_epochs=``
 in epoch mode, ``metrics=`` for ``after_val`` and ``checkpoint=`` for the checkpoint
 points), so a hook declares just what it needs and swallows the rest with ``**kwargs``::
@@ -12,20 +12,21 @@ points), so a hook declares just what it needs and swallows the rest with ``**kw
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from enum import IntEnum
 from typing import Any, Protocol
 
 import torch
 from fvcore.common.config import CfgNode
 
+from pet.checkpoint import Checkpointer
 from pet.engine.events import EventStorage
 from pet.engine.loops import TrainLoop
 from pet.utils.errors import ConfigError
 from pet.utils.registry import Registry
 from pet.utils.table import format_table
 
-__all__ = ["Priority", "get_priority", "TrainHook", "TrainerLike", "CheckpointerLike", "HOOKS", "HookList",
+__all__ = ["Priority", "get_priority", "TrainHook", "TrainerLike", "HOOKS", "HookList",
            "MOUNT_POINTS"]
 
 HOOKS = Registry("hook")
@@ -75,31 +76,16 @@ MOUNT_POINTS = (
 )
 
 
-class CheckpointerLike(Protocol):
-    """What hooks call on ``trainer.checkpointer``: :class:`pet.engine.checkpointer.Checkpointer`, which builds
-    on this module (it saves the hooks' state), so hooks see it through this interface."""
-
-    stop_saver: Callable[[], str] | None
-
-    def save(self, filename: str, *, save_dir: str = "", update_last: bool = True, optimizer: bool = True,
-             scheduler: bool = True, extra: dict[str, Any] | None = None) -> str: ...
-
-    def remove(self, filename: str, save_dir: str = "", reason: str = "") -> None: ...
-
-    def link_final(self, filename: str, save_dir: str = "") -> str: ...
-
-    def publish(self, keys: Sequence[str], save_dir: str = "") -> str | None: ...
-
-
 class TrainerLike(Protocol):
-    """What a hook may rely on in ``trainer`` (:class:`pet.engine.trainer.Trainer` has all of it).
+    """What a hook may rely on in ``trainer`` (:class:`pet.engine.trainer.Trainer` has all of it; so must a
+    trainer of your own that runs Pet's hooks). A Protocol because hooks are imported by the trainer module.
 
     ``iter`` and ``storage.iter`` are one counter: the 1-based number of the current
     iteration inside a step, the number of iterations completed outside one (so
     ``start_iter`` in ``before_train``, and after a failure the last completed one).
     ``epoch`` is the 0-based index of the current epoch. ``stop_training``: set it to end
     the run cleanly after this step (validation and the final checkpoint still happen).
-    ``checkpointer`` (:class:`CheckpointerLike`) writes and reads every checkpoint;
+    ``checkpointer`` (:class:`pet.checkpoint.Checkpointer`) writes and reads every checkpoint;
     ``loop`` (:mod:`pet.engine.loops`) is the mode: ``loop.ends_period(iteration, n)`` counts in its unit.
     """
 
@@ -122,7 +108,7 @@ class TrainerLike(Protocol):
     last_step_seconds: float
     last_data_seconds: float
 
-    checkpointer: CheckpointerLike
+    checkpointer: Checkpointer
     loop: TrainLoop
 
     def call_hooks(self, point: str, **kwargs: Any) -> None: ...

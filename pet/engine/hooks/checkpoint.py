@@ -1,7 +1,7 @@
 """CheckpointHook (periodic, last, final, published) and BestCheckpointHook (best per metric).
 
 Both decide when a checkpoint is due and what it is called; ``trainer.checkpointer``
-(:class:`pet.engine.checkpointer.Checkpointer`) writes, prunes and links the files. They keep their
+(:class:`pet.checkpoint.Checkpointer`) writes, prunes and links the files. They keep their
 book-keeping in their ``state_dict``, so a resumed run prunes and compares exactly as an uninterrupted one.
 """
 from __future__ import annotations

@@ -1,0 +1,285 @@
+"""The Checkpointer: every checkpoint a training run writes or reads goes through it.
+
+A checkpoint holds everything an exact resume needs: weights, optimizer, LR schedule,
+GradScaler, the iteration counter, RNG states and every stateful hook's ``state_dict`` (keyed by
+:meth:`pet.engine.hooks.HookList.state_dicts`); and, when
+the training data has one, the label space (``"label_space"``: :meth:`LabelSpace.to_list`), so that
+tools/predict.py and tools/export.py name the model's detections without the dataset
+(:meth:`Checkpointer.state` lists the keys).
+
+The trainer owns one :class:`Checkpointer` (``trainer.checkpointer``), as detectron2's trainer owns
+its ``DetectionCheckpointer``. It builds that state, writes files atomically
+(:mod:`pet.checkpoint.files`), keeps ``last_checkpoint`` naming the newest regular checkpoint,
+removes pruned ones, links ``model_final.pth``, publishes slim copies, and resumes (removing the
+temporary files a killed write left). Hooks only decide *when* and *under what name*:
+:class:`pet.engine.hooks.CheckpointHook` for the regular and final checkpoints,
+:class:`pet.engine.hooks.BestCheckpointHook` for the best ones. When training stops outside any
+schedule (a signal, a dead data-loading worker), the train loop asks :meth:`Checkpointer.save_for_stop`,
+which goes through the CheckpointHook's book-keeping when one is registered (``stop_saver``).
+
+:mod:`pet.checkpoint` sits below the engine (it imports :mod:`pet.utils` and :mod:`pet.data` only), so the
+trainer, predict, deploy and tools all import it; what it reads of a run is :class:`Checkpointable`.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import shutil
+import textwrap
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+from fvcore.common.config import CfgNode
+
+from pet.checkpoint.files import atomic_save, explain_write_failure, read_last_checkpoint, write_last_checkpoint
+from pet.checkpoint.loading import load_checkpoint, load_weights
+from pet.data.categories import dataset_label_space
+from pet.utils import comm
+from pet.utils.errors import ConfigError, PetError, TrainingError
+from pet.utils.files import atomic_path, write_bytes_atomic
+from pet.utils.rng import get_rng_state, set_rng_state
+
+__all__ = ["Checkpointer", "Checkpointable", "SCHEDULE_KEYS"]
+
+logger = logging.getLogger(__name__)
+
+# The SOLVER keys that shape the learning rate of every iteration: checkpoints record them (with MAX_ITER),
+# so a resume can say what changed.
+SCHEDULE_KEYS = ("BASE_LR", "LR_POLICY", "STEPS", "GAMMA", "WARMUP_ITERS", "WARMUP_FACTOR", "WEIGHT_DECAY",
+                 "MOMENTUM")
+
+
+class Checkpointable(Protocol):
+    """What the Checkpointer saves and restores of a run: :class:`pet.engine.Trainer` has all of it, and so
+    must a trainer of your own that wants Pet's checkpoints.
+
+    ``train_step.grad_scaler``: a GradScaler or None; ``data_loader.dataset``: its label space, if any, is
+    saved; ``hooks``: :class:`pet.engine.hooks.HookList` (``state_dicts()`` / ``load_state_dicts(states)``).
+    A resume sets ``start_iter``, ``iter`` and ``epoch``.
+    """
+
+    cfg: CfgNode
+    output_dir: str
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    train_step: Any
+    data_loader: Any
+    hooks: Any
+    iter: int
+    start_iter: int
+    epoch: int
+    max_iter: int
+    iters_per_epoch: int
+
+    def call_hooks(self, point: str, **kwargs: Any) -> None: ...
+
+
+class Checkpointer:
+    """All checkpoint I/O of ``trainer``'s run; files go to its ``output_dir`` unless a ``save_dir`` is given.
+
+    Only the main process writes, removes or links files; every method may be called on every
+    process (the others return the path the main process writes). ``stop_saver``: what
+    :meth:`save_for_stop` calls instead of writing ``model_iter{N}.pth`` itself (CheckpointHook sets
+    it, so a stop's checkpoint joins its kept list and goes where it writes).
+    """
+
+    def __init__(self, trainer: Checkpointable) -> None:
+        self.trainer = trainer
+        self.stop_saver: Callable[[], str] | None = None
+
+    # ------------------------------------------------------------------ saving
+    def state(self, *, optimizer: bool = True, scheduler: bool = True) -> dict[str, Any]:
+        """Everything needed to resume the trainer exactly after its ``iter`` completed iterations.
+
+        ``optimizer`` / ``scheduler`` False leave out the optimizer's state (and the GradScaler's) /
+        the schedule's: a smaller file, but a resume restarts the momentum / the schedule.
+        """
+        trainer = self.trainer
+        grad_scaler = trainer.train_step.grad_scaler
+        state: dict[str, Any] = {
+            "model": comm.unwrap_model(trainer.model).state_dict(),
+            "optimizer": trainer.optimizer.state_dict(),
+            "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
+            "iter": trainer.iter,
+            "epoch": trainer.epoch,
+            "rng": get_rng_state(),
+            "hooks": trainer.hooks.state_dicts(),
+            "optimizer_class": type(trainer.optimizer).__name__,
+            "schedule": self._schedule(),
+        }
+        if grad_scaler is not None:
+            state["grad_scaler"] = grad_scaler.state_dict()
+        if not optimizer:
+            state.pop("optimizer")
+            state.pop("grad_scaler", None)
+        if not scheduler:
+            state.pop("scheduler")
+        label_space = dataset_label_space(getattr(trainer.data_loader, "dataset", None))
+        if label_space is not None:  # what the model's labels mean, so it can predict without its dataset
+            state["label_space"] = label_space.to_list()
+        return state
+
+    def save(self, filename: str, *, save_dir: str = "", update_last: bool = True, optimizer: bool = True,
+             scheduler: bool = True, extra: dict[str, Any] | None = None) -> str:
+        """Write :meth:`state` (with ``extra`` keys) to ``save_dir/filename`` atomically; its path.
+
+        Hooks see the state in ``before_save_checkpoint`` first (EMAHook adds its average). With
+        ``update_last`` the run's ``last_checkpoint`` then names the file (by name in the run's
+        directory, by absolute path elsewhere).
+        """
+        save_dir = save_dir or self.trainer.output_dir
+        path = os.path.join(save_dir, filename)
+        if not comm.is_main_process():
+            return path
+        state = {**self.state(optimizer=optimizer, scheduler=scheduler), **(extra or {})}
+        self.trainer.call_hooks("before_save_checkpoint", checkpoint=state)
+        atomic_save(state, path)
+        if update_last:
+            same_dir = os.path.abspath(save_dir) == os.path.abspath(self.trainer.output_dir)
+            write_last_checkpoint(self.trainer.output_dir, filename if same_dir else os.path.abspath(path))
+        logger.info(f"Saved checkpoint {path}")
+        return path
+
+    def save_for_stop(self) -> str:
+        """Save the iterations completed now, for a stop outside the schedule; the file's path."""
+        if self.stop_saver is not None:
+            return self.stop_saver()
+        return self.save(f"model_iter{self.trainer.iter}.pth")
+
+    def remove(self, filename: str, save_dir: str = "", reason: str = "") -> None:
+        """Delete ``save_dir/filename`` (a pruned regular checkpoint) if it is there."""
+        path = os.path.join(save_dir or self.trainer.output_dir, filename)
+        if comm.is_main_process() and os.path.isfile(path):
+            os.remove(path)
+            logger.info(f"Removed {path}{f' ({reason})' if reason else ''}")
+
+    def link_final(self, filename: str, save_dir: str = "") -> str:
+        """``save_dir/model_final.pth``: a hard link to the checkpoint ``filename`` (a copy where links fail)."""
+        save_dir = save_dir or self.trainer.output_dir
+        source, target = os.path.join(save_dir, filename), os.path.join(save_dir, "model_final.pth")
+        if not comm.is_main_process():
+            return target
+        try:
+            with atomic_path(target) as tmp:
+                try:
+                    os.link(source, tmp)
+                except OSError:
+                    shutil.copyfile(source, tmp)
+        except OSError as exc:
+            raise TrainingError(f"Could not write {target}: {exc.strerror or exc}; {source} is complete") from exc
+        logger.info(f"Final checkpoint {target} (= {filename})")
+        return target
+
+    def publish(self, keys: Sequence[str], save_dir: str = "") -> str | None:
+        """A copy of ``model_final.pth`` with only the top-level ``keys``, named
+        ``model_final-{first 8 hex digits of its sha256}.pth``; its path (None when none of the keys is there)."""
+        save_dir = save_dir or self.trainer.output_dir
+        if not comm.is_main_process():
+            return None
+        final = load_checkpoint(os.path.join(save_dir, "model_final.pth"))
+        missing = [k for k in keys if k not in final]
+        if missing:
+            logger.warning(f"HOOKS.CHECKPOINT.PUBLISHED_KEYS {missing} are not in the checkpoint "
+                           f"(it has {sorted(final)}); they are left out of the published file")
+        slim = {k: final[k] for k in keys if k in final}
+        if not slim:
+            return None
+        buffer = io.BytesIO()
+        torch.save(slim, buffer)
+        data = buffer.getvalue()
+        path = os.path.join(save_dir, f"model_final-{hashlib.sha256(data).hexdigest()[:8]}.pth")
+        with explain_write_failure(path):
+            write_bytes_atomic(path, data, fsync=True)
+        logger.info(f"Published {path} with keys {sorted(slim)} ({len(data) / 2**20:.1f} MiB)")
+        return path
+
+    # ------------------------------------------------------------------ loading
+    def resume_or_load(self, resume: bool, *, unsafe: bool = False, weights_only: bool = False) -> None:
+        """Resume from ``last_checkpoint`` when ``resume`` and one exists; else load ``TRAIN.WEIGHTS`` (if set).
+
+        ``weights_only`` resumes everything but the optimizer's state (see :meth:`load`).
+        """
+        trainer = self.trainer
+        last = read_last_checkpoint(trainer.output_dir) if resume else None
+        if last is not None:
+            try:
+                self.load(load_checkpoint(last, unsafe=unsafe), optimizer_state=not weights_only)
+            except PetError:
+                raise
+            except (RuntimeError, ValueError, KeyError) as exc:  # a model, optimizer or hook of other shapes
+                detail = textwrap.shorten(str(exc), 300, placeholder=" ...")
+                raise ConfigError(f"Cannot resume from {last}: it does not fit this config's model or optimizer "
+                                  f"({type(exc).__name__}: {detail}). Train this config in a new CKPT, or set the "
+                                  f"changed keys back ({trainer.output_dir}/config.yaml is the config it was "
+                                  "trained with).") from exc
+            fresh = " with a fresh optimizer (--resume-weights-only)" if weights_only else ""
+            logger.info(f"Resumed from {last} at iteration {trainer.start_iter}{fresh}")
+        elif trainer.cfg.TRAIN.WEIGHTS:
+            load_weights(trainer.model, trainer.cfg.TRAIN.WEIGHTS, unsafe=unsafe)
+            logger.info(f"Initialised from {trainer.cfg.TRAIN.WEIGHTS} (not a resume: training starts at iteration 0)")
+
+    def load(self, state: dict[str, Any], *, optimizer_state: bool = True) -> None:
+        """Put the trainer where the checkpoint ``state`` was written; hooks get ``after_load_checkpoint``.
+
+        The optimizer's state (momentum, Adam moments) comes from the checkpoint, its settings
+        (learning rate, weight decay, momentum factor) from this run, and the LR schedule is
+        this run's from the resumed iteration on: a resume may change ``SOLVER.MAX_ITER``,
+        ``STEPS``, ``LR_POLICY``, ``BASE_LR`` ..., and one log line says what changed. An
+        optimizer of another class cannot take the saved state: that is a ConfigError, unless
+        ``optimizer_state`` is False (``--resume-weights-only``), which starts a fresh optimizer.
+        """
+        trainer = self.trainer
+        saved_class, current_class = state.get("optimizer_class"), type(trainer.optimizer).__name__
+        if optimizer_state and saved_class and saved_class != current_class:
+            raise ConfigError(
+                f"The checkpoint was trained with {saved_class}, this run uses {current_class} (SOLVER.OPTIMIZER): "
+                f"the optimizer state cannot carry over. Set SOLVER.OPTIMIZER back to {saved_class}, or resume with "
+                "--resume-weights-only (weights, iteration, schedule and hook state from the checkpoint; a fresh "
+                "optimizer)."
+            )
+        # With EMAHook, "model" holds the averaged weights (what test and deployment use)
+        # and "model_raw" the ones training continues from.
+        comm.unwrap_model(trainer.model).load_state_dict(state.get("model_raw", state["model"]))
+        if optimizer_state and state.get("optimizer"):
+            _load_optimizer_state(trainer.optimizer, state["optimizer"])
+        if state.get("scheduler") and trainer.scheduler is not None:
+            trainer.scheduler.load_state_dict(state["scheduler"])
+        grad_scaler = trainer.train_step.grad_scaler
+        if optimizer_state and state.get("grad_scaler") and grad_scaler is not None:
+            grad_scaler.load_state_dict(state["grad_scaler"])
+        trainer.start_iter = trainer.iter = int(state["iter"])
+        trainer.epoch = trainer.start_iter // trainer.iters_per_epoch if trainer.iters_per_epoch else 0
+        if "rng" in state:
+            set_rng_state(state["rng"])
+        trainer.hooks.load_state_dicts(state.get("hooks", {}))
+        _log_schedule_changes(state.get("schedule"), self._schedule(), trainer.start_iter)
+        trainer.call_hooks("after_load_checkpoint", checkpoint=state)
+
+    def _schedule(self) -> dict[str, Any]:
+        """What shapes the learning rate of each iteration: ``MAX_ITER`` and the ``SOLVER`` schedule keys."""
+        solver = self.trainer.cfg.SOLVER
+        return {"MAX_ITER": self.trainer.max_iter, **{key: _plain(solver[key]) for key in SCHEDULE_KEYS}}
+
+
+def _load_optimizer_state(optimizer: Any, saved: dict[str, Any]) -> None:
+    """The saved per-parameter state, under this run's group settings (lr, weight decay, ...)."""
+    settings = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    optimizer.load_state_dict(saved)
+    for group, own in zip(optimizer.param_groups, settings):
+        group.update(own)
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, (tuple, list)) else value
+
+
+def _log_schedule_changes(saved: dict[str, Any] | None, current: dict[str, Any], start_iter: int) -> None:
+    changes = [f"{key} {saved[key]} -> {value}" for key, value in current.items()
+               if saved is not None and key in saved and saved[key] != value]
+    if changes:
+        logger.info(f"Resumed with a changed schedule ({'; '.join(changes)}): the learning rate follows the new "
+                    f"schedule from iteration {start_iter}.")
