@@ -189,6 +189,8 @@ def test_a_run_that_measured_and_one_that_reused_the_decision_train_the_same_wei
         trainer.train()
         weights.append(model.state_dict())
     assert len(timed) == 1  # the first run measured (on the real model), the second reused its decision
+    final = torch.load(tmp_path / "reuses" / "model_final.pth", weights_only=True)
+    assert final["precision"] == "bfloat16"  # the checkpoint says what the weights were trained in
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 

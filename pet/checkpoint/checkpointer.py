@@ -56,7 +56,8 @@ class Checkpointable(Protocol):
     """What the Checkpointer saves and restores of a run: :class:`pet.engine.Trainer` has all of it, and so
     must a trainer of your own that wants Pet's checkpoints.
 
-    ``train_step.grad_scaler``: a GradScaler or None; ``data_loader.dataset``: its label space, if any, is
+    ``train_step.grad_scaler``: a GradScaler or None; ``train_step.precision``: the run's
+    :class:`pet.engine.precision.Precision`; ``data_loader.dataset``: its label space, if any, is
     saved; ``hooks``: :class:`pet.engine.hooks.HookList` (``state_dicts()`` / ``load_state_dicts(states)``).
     A resume sets ``start_iter``, ``iter`` and ``epoch``.
     """
@@ -110,6 +111,8 @@ class Checkpointer:
             "hooks": trainer.hooks.state_dicts(),
             "optimizer_class": type(trainer.optimizer).__name__,
             "schedule": self._schedule(),
+            # the precision the weights were trained in (SOLVER.AMP: measured on machines with bfloat16 instructions)
+            "precision": trainer.train_step.precision.name,
         }
         if grad_scaler is not None:
             state["grad_scaler"] = grad_scaler.state_dict()
