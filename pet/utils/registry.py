@@ -27,21 +27,9 @@ __all__ = [
 
 
 class Registry(_FvcoreRegistry):
-    """fvcore's registry, plus dotted-path lookup, a did-you-mean error and a default module.
-
-    ``default_module`` is imported on the first lookup of a name that is not registered
-    yet, so entries that need optional packages can live in a module that is imported only
-    when one is named (the experiment-tracker writers), the way MMEngine's default scope works.
-    """
-
-    def __init__(self, name: str, default_module: str | None = None) -> None:
-        super().__init__(name)
-        self._default_module = default_module
+    """fvcore's registry, plus dotted-path lookup (a user's own class) and a did-you-mean error."""
 
     def get(self, name: str) -> Any:
-        if name not in self and self._default_module:
-            importlib.import_module(self._default_module)
-            self._default_module = None
         if name in self:
             return super().get(name)
         if "." in name:
