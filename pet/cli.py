@@ -1,8 +1,9 @@
 """What the entry points (tools/*.py) share: argument parsing, set-up, building the trainer or the
 test model from the config, and clean failure.
 
-Outside :mod:`pet.engine`: it sets up a whole run (config, process group, logging, datasets) and builds
-the model through :mod:`pet.modeling`, which the engine never imports.
+Outside :mod:`pet.engine`: it sets up a whole process (config, process group, logging, datasets) for a
+command. Only tools/ import it; the library's own modules never do (docs/design.md). ``build_test_model``
+lives in :mod:`pet.engine.build` and is offered here too, beside ``build_trainer``.
 """
 from __future__ import annotations
 
@@ -19,14 +20,12 @@ import torch
 import torch.distributed as dist
 from fvcore.common.config import CfgNode
 
-from pet.checkpoint import load_weights
-from pet.config import default_weights, load_cfg
+from pet.config import load_cfg
 from pet.data import register_custom_datasets
 from pet.data.workers import WORKER_DIED_EXIT_CODE, remedy, worker_death
-from pet.engine.build import prepare_model
+from pet.engine.build import build_test_model
 from pet.engine.models import resolve_device, unwrap_model
 from pet.engine.trainer import Trainer
-from pet.modeling import build_model
 from pet.utils import comm
 from pet.utils.errors import PetError
 from pet.utils.files import write_failure_remedy
@@ -123,22 +122,6 @@ def build_trainer(cfg: CfgNode, *, resume: bool = False, unsafe: bool = False, w
             f.write(cfg.dump())
         log_model_summary(unwrap_model(trainer.model), cfg)
     return trainer
-
-
-def build_test_model(cfg: CfgNode, *, weights: str = "", unsafe: bool = False,
-                     checkpoint: Any = None) -> torch.nn.Module:
-    """The model of ``cfg`` with ``weights`` (default: :func:`pet.config.default_weights`) loaded,
-    on ``DEVICE``, as tools/test_net.py evaluates it; ``checkpoint``: the file's contents when the caller
-    has read them already (:func:`pet.checkpoint.load_checkpoint`), so the file is read once.
-
-    Weights that leave part of the model at its initial values are a :class:`ConfigError` naming the part,
-    unless ``TEST.ALLOW_RANDOM_WEIGHTS`` (:func:`pet.checkpoint.load_weights` with ``for_inference``)."""
-    model = prepare_model(build_model(cfg), cfg)
-    load_weights(model, weights or default_weights(cfg), unsafe=unsafe, for_inference=True,
-                 allow_random=cfg.TEST.ALLOW_RANDOM_WEIGHTS, checkpoint=checkpoint)
-    if comm.is_main_process():
-        log_model_summary(model, cfg)
-    return model
 
 
 _WRITE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG)

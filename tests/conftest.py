@@ -109,6 +109,14 @@ def shapes_root(shapes_set) -> str:
     return shapes_set(num_train=12, num_val=6)
 
 
+@pytest.fixture(scope="session")
+def tiny_set(shapes_set) -> str:
+    """8 training and 6 validation images: the set tiny real runs (a few iterations of tools/train_net.py, or of
+    ``Trainer`` on its config's loader) train and test on. With 2 images a batch, 4 iterations are one pass
+    and 6 go past it; in two processes each rank tests 3 images."""
+    return shapes_set(num_train=8, num_val=6)
+
+
 @pytest.fixture
 def make_cfg(tmp_path):
     """``make_cfg(KEY, VALUE, ...)``: defaults for a toy CPU run writing under tmp_path."""

@@ -1,6 +1,6 @@
 """Hooks and a writer loaded by dotted path in the fault-injection subprocesses.
 
-``tests/toy_train.py`` puts this folder on ``sys.path``, so a test passes
+Python puts this folder on ``sys.path`` when it runs ``tests/toy_train.py``, so a test passes
 ``HOOKS.CUSTOM "[{'type': 'fault_plugins.AfterTrainMarker'}]"`` or
 ``TRAIN.WRITERS "[{'type': 'fault_plugins.CloseMarker'}]"`` and then reads the files
 to see that ``after_train`` ran and writers were closed in a run that was stopped, or

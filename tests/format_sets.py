@@ -63,7 +63,7 @@ def make_images(seed: int = 0) -> list[Image]:
     return images
 
 
-def write_coco(root: Path, images: list[Image]) -> dict:
+def _write_coco(root: Path, images: list[Image]) -> dict:
     (root / "images").mkdir(parents=True)
     entries, annotations = [], []
     for image_id, im in enumerate(images, 1):
@@ -79,7 +79,7 @@ def write_coco(root: Path, images: list[Image]) -> dict:
     return {"format": "coco", "path": str(root / "ann.json"), "images": str(root / "images")}
 
 
-def write_yolo(root: Path, images: list[Image]) -> dict:
+def _write_yolo(root: Path, images: list[Image]) -> dict:
     """Ultralytics' layout: images/train, labels/train, data.yaml; no crowd regions in YOLO."""
     (root / "images" / "train").mkdir(parents=True)
     (root / "labels" / "train").mkdir(parents=True)
@@ -95,7 +95,7 @@ def write_yolo(root: Path, images: list[Image]) -> dict:
     return {"format": "yolo", "path": str(root / "data.yaml"), "split": "train"}
 
 
-def write_voc(root: Path, images: list[Image]) -> dict:
+def _write_voc(root: Path, images: list[Image]) -> dict:
     """The devkit's layout: Annotations/, JPEGImages/, ImageSets/Main/train.txt; 1-based inclusive coordinates."""
     for folder in ("Annotations", "JPEGImages", "ImageSets/Main"):
         (root / folder).mkdir(parents=True)
@@ -112,7 +112,7 @@ def write_voc(root: Path, images: list[Image]) -> dict:
     return {"format": "voc", "path": str(root), "split": "train"}
 
 
-def write_csv(root: Path, images: list[Image]) -> dict:
+def _write_csv(root: Path, images: list[Image]) -> dict:
     """DeepForest's layout: a header, paths relative to the image folder, background as ``,,,,,`` or a zero box."""
     (root / "images").mkdir(parents=True)
     rows = ["image_path,xmin,ymin,xmax,ymax,label"]
@@ -126,7 +126,8 @@ def write_csv(root: Path, images: list[Image]) -> dict:
     return {"format": "csv", "path": str(root / "boxes.csv"), "images": str(root / "images")}
 
 
-WRITERS = {"coco": write_coco, "yolo": write_yolo, "voc": write_voc, "csv": write_csv}
+# The writers are private so that write_coco means one thing in tests/: helpers.write_coco, a registered COCO set.
+WRITERS = {"coco": _write_coco, "yolo": _write_yolo, "voc": _write_voc, "csv": _write_csv}
 
 
 def write_all_formats(root: Path, seed: int = 0) -> dict[str, dict]:

@@ -18,12 +18,6 @@ from pet.engine.events import read_metrics
 from pet.utils import comm
 
 
-@pytest.fixture(scope="module")
-def tiny_set(shapes_set):
-    """8 training images: 4 iterations of 2 images are one pass; 6 validation images: 3 per rank."""
-    return shapes_set(num_train=8, num_val=6)
-
-
 def _opts(tiny_set: str, ckpt: str, max_iter: int = 4, test_batch: int = 1) -> list[str]:
     return [*tiny_set_opts(tiny_set, ckpt, max_iter=max_iter, test_batch=test_batch, display_iter=2,
                            checkpoint_period=2),

@@ -14,18 +14,19 @@ from pet.engine.events import read_metrics
 
 
 @pytest.fixture(scope="module")
-def tiny_set(shapes_set):
+def end_to_end_set(shapes_set):
+    """24 training and 8 validation images: 4 test iterations of 2 images, 3 timed after the warm-up one."""
     return shapes_set(num_train=24, num_val=8)
 
 
-def _opts(tiny_set: str, ckpt: str) -> list[str]:
+def _opts(root: str, ckpt: str) -> list[str]:
     """6 iterations, a checkpoint at 4, and TensorBoard on: its event files are among what a run must (not) write."""
-    return [*tiny_set_opts(tiny_set, ckpt), "TRAIN.USE_TENSORBOARD", "True"]
+    return [*tiny_set_opts(root, ckpt), "TRAIN.USE_TENSORBOARD", "True"]
 
 
-def test_train_then_test_writes_every_promised_file(tiny_set, tmp_path):
+def test_train_then_test_writes_every_promised_file(end_to_end_set, tmp_path):
     ckpt = str(tmp_path / "run")
-    train = run_tool("train_net.py", "--cfg", DEMO_CFG, *_opts(tiny_set, ckpt))
+    train = run_tool("train_net.py", "--cfg", DEMO_CFG, *_opts(end_to_end_set, ckpt))
     assert "Overall training speed" in train.stdout
     assert "M parameters" in train.stdout and "GFLOPs on a 256x256 image" in train.stdout
     for name in ("config.yaml", "log.txt", "metrics.json", "last_checkpoint", "model_iter4.pth", "model_final.pth"):
@@ -38,11 +39,11 @@ def test_train_then_test_writes_every_promised_file(tiny_set, tmp_path):
 
     # Six iterations learn little, so no score threshold: every proposal the model keeps is a detection,
     # and bbox.json, the COCO evaluation and the pictures are exercised on real model output, never on nothing.
-    test = run_tool("test_net.py", "--cfg", DEMO_CFG, "--vis", "3", *_opts(tiny_set, ckpt),
+    test = run_tool("test_net.py", "--cfg", DEMO_CFG, "--vis", "3", *_opts(end_to_end_set, ckpt),
                     "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.0")
     assert "[Testing][range:1-8 of 8]" in test.stdout
     assert "GFLOPs" in test.stdout
-    gt = COCO(os.path.join(tiny_set, "annotations", "val.json"))
+    gt = COCO(os.path.join(end_to_end_set, "annotations", "val.json"))
     with open(os.path.join(ckpt, "test", "bbox.json")) as f:
         detections = json.load(f)
     per_image = {image_id: [d for d in detections if d["image_id"] == image_id] for image_id in gt.getImgIds()}
@@ -73,10 +74,11 @@ def test_train_then_test_writes_every_promised_file(tiny_set, tmp_path):
         picture = cv2.imread(path)
         assert picture is not None and picture.shape[:2] == (info["height"], info["width"])
         assert os.path.getsize(path) > 5_000
-        assert not np.array_equal(picture, cv2.imread(os.path.join(tiny_set, "val", info["file_name"])))  # drawn on
+        original = cv2.imread(os.path.join(end_to_end_set, "val", info["file_name"]))
+        assert not np.array_equal(picture, original)  # drawn on
 
     rescore = run_tool("test_net.py", "--cfg", DEMO_CFG, "--eval-only-results",
-                       os.path.join(ckpt, "test", "bbox.json"), *_opts(tiny_set, ckpt))
+                       os.path.join(ckpt, "test", "bbox.json"), *_opts(end_to_end_set, ckpt))
     assert "Per-category bbox AP" in rescore.stdout and "[Testing]" not in rescore.stdout
     with open(os.path.join(ckpt, "test", "metrics_rescored.json")) as f:
         rescored = json.load(f)["metrics"]
@@ -116,8 +118,8 @@ def test_cli_refuses_a_yaml_tag_that_would_run_code_with_one_line_and_runs_nothi
     assert not marker.exists() and not ckpt.exists()
 
 
-def test_test_net_without_weights_says_what_to_do(tiny_set, tmp_path):
-    proc = run_tool("test_net.py", "--cfg", DEMO_CFG, *_opts(tiny_set, str(tmp_path / "empty")), check=False)
+def test_test_net_without_weights_says_what_to_do(end_to_end_set, tmp_path):
+    proc = run_tool("test_net.py", "--cfg", DEMO_CFG, *_opts(end_to_end_set, str(tmp_path / "empty")), check=False)
     assert proc.returncode == 2
     assert "Weights file not found" in proc.stderr and "train first" in proc.stderr
 
@@ -132,9 +134,9 @@ def test_test_net_without_weights_says_what_to_do(tiny_set, tmp_path):
     ("TRAIN.WRITERS", "[{'type': 'pet.engine.events.CSVWriter'}]",
      "Error: Cannot import 'pet.engine.events.CSVWriter': module 'pet.engine.events' has no 'CSVWriter'"),
 ], ids=["unknown-hook", "hook-path-does-not-import", "unknown-writer", "writer-path-does-not-import"])
-def test_a_bad_hook_or_writer_fails_before_anything_but_the_log_is_written(tiny_set, tmp_path, key, value, error):
+def test_a_bad_hook_or_writer_fails_before_anything_but_the_log_is_written(end_to_end_set, tmp_path, key, value, error):
     ckpt = tmp_path / "run"
-    proc = run_tool("train_net.py", "--cfg", DEMO_CFG, *_opts(tiny_set, str(ckpt)), key, value, check=False)
+    proc = run_tool("train_net.py", "--cfg", DEMO_CFG, *_opts(end_to_end_set, str(ckpt)), key, value, check=False)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(error), proc.stderr

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import sys
 from collections.abc import Iterator
 
@@ -175,6 +176,69 @@ def test_dependencies_point_one_way(importer, forbidden):
         for module in MODULES if module == importer or module.startswith(importer + ".")
     }
     assert {m: names for m, names in offenders.items() if names} == {}
+
+
+# The command-line module sets up a process for tools/; a library module that imported it would depend on
+# every layer at once. pet.engine.defaults is the deprecated alias of pet.cli and goes with its shim.
+CLI_ALIASES = {"pet.engine.defaults"}
+
+
+def test_no_library_module_imports_the_command_line_module():
+    assert CLI_ALIASES <= set(MODULES)  # an alias that is gone leaves this list
+    importers = {module for module in MODULES if module not in CLI_ALIASES | {"pet.cli"}
+                 and "pet.cli" in {*_imports(module)[0], *(name for _, name in _imports(module)[1])}}
+    assert importers == set()
+
+
+# Import by a name computed at run time: where the name comes from the user's config (a dotted path to their
+# own class or plugin) or is an optional third-party extra. Pet's own modules are imported by import statements.
+IMPORTERS_BY_NAME = {"locate", "import_module", "__import__"}
+IMPORTS_BY_NAME_FOR_USERS = {"pet.utils.registry", "pet.config", "pet.engine.trackers"}
+
+
+def _lookups_by_name(source: str) -> tuple[list[int], list[tuple[int, str]]]:
+    """([line of each call to an importer by name], [(line, string) naming a pet module or an object in one]).
+
+    The strings that count are a module that is not a package (``"pet.engine.trackers"``) and a module's
+    attribute (``"pet.modeling.build.build_model"``): what an import by name is handed. A package's name
+    alone is also a logger's (``"pet.engine"``) and is left alone, as are docstrings.
+    """
+    tree = ast.parse(source)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    calls, names = [], []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            if (func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)) in IMPORTERS_BY_NAME:
+                calls.append(node.lineno)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            module, _, attr = node.value.rpartition(".")
+            leaf = node.value in MODULES and not MODULES[node.value].endswith("__init__.py")
+            if leaf or (module in MODULES and attr.isidentifier() and not attr.startswith("__")
+                        and re.search(rf"^(def |class )?{attr}\b", _source(module), re.M)):
+                names.append((node.lineno, node.value))
+    return calls, names
+
+
+def _source(module: str) -> str:
+    with open(MODULES[module], encoding="utf-8") as f:
+        return f.read()
+
+
+def test_pet_imports_its_own_modules_by_import_statements_not_by_name():
+    """The import graph shows every real dependency: no builder, writer or module of Pet is found by its name."""
+    found = {module: _lookups_by_name(_source(module)) for module in MODULES}
+    assert {m for m, (calls, _) in found.items() if calls} == IMPORTS_BY_NAME_FOR_USERS
+    assert {m: names for m, (_, names) in found.items() if names} == {}
+
+
+def test_the_checker_sees_a_lookup_by_name():
+    calls, names = _lookups_by_name(
+        'LOGGER = "pet.engine"\nBUILDER = "pet.modeling.build.build_model"\nWRITERS = "pet.engine.trackers"\n'
+        'def build(cfg):\n    return locate(BUILDER)(cfg)\n')
+    assert calls == [5] and names == [(2, "pet.modeling.build.build_model"), (3, "pet.engine.trackers")]
 
 
 def test_the_checker_sees_a_cycle_and_a_deferred_import(tmp_path, monkeypatch):

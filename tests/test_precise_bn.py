@@ -31,13 +31,6 @@ class IdRecorder(torch.nn.Module):
         return {"loss_bn": self.bn(images.float()).mean()}
 
 
-@pytest.fixture(scope="module")
-def tiny_set(shapes_set):
-    """8 training images: with batch 2, 6 iterations go past one pass. Only the training split is used; the
-    arguments are test_distributed's, so the session generates the set once for both."""
-    return shapes_set(num_train=8, num_val=6)
-
-
 def _shapes_cfg(make_cfg, tiny_set, name, *opts):
     custom = custom_datasets(("pbn_train", f"{tiny_set}/annotations/train.json", f"{tiny_set}/train"))
     return make_cfg("CKPT", str(tiny_set) + f"-{name}", "DATA.CUSTOM", custom, "TRAIN.DATASETS", "('pbn_train',)",

@@ -133,7 +133,8 @@ def torchvision_detections(model: torch.nn.Module, pixels: dict[int, np.ndarray]
     return out
 
 
-def assert_same_detections(results: list[dict], expected: dict[int, dict[str, np.ndarray]]) -> dict[str, float]:
+def assert_results_match_torchvision(results: list[dict],
+                                     expected: dict[int, dict[str, np.ndarray]]) -> dict[str, float]:
     """One-to-one: each torchvision detection has a result of its image with the same category id, score within
     1e-5 and box within 1e-3 px (``bbox.json``) or mask IoU >= 0.99 (``segm.json``); none is left over on either
     side. Returns the largest differences."""
@@ -187,7 +188,7 @@ def test_shipped_coco_config_evaluates_torchvision_weights_as_torchvision(arch, 
                     "TEST.DATASETS", "('coco_mini',)", "TEST.WEIGHTS", weights, "TEST.AMP.ENABLED", "False")
     assert "did not load" not in proc.stderr + proc.stdout
     for task in ("bbox", "segm") if arch == "mask_rcnn" else ("bbox",):
-        worst = assert_same_detections(json.loads((ckpt / "test" / f"{task}.json").read_text()), expected)
+        worst = assert_results_match_torchvision(json.loads((ckpt / "test" / f"{task}.json").read_text()), expected)
         print(f"{arch} {task}: largest differences from torchvision's {worst}")
     metrics = json.loads((ckpt / "test" / "metrics.json").read_text())["metrics"]
     # the per-class table has the dataset's 80 categories, not the head's 90 rows

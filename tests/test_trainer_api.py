@@ -11,7 +11,10 @@ import torch
 from conftest import ToyModel
 
 from pet.engine.hooks import MOUNT_POINTS, EvalHook, TrainHook
+from pet.engine.models import default_evaluator_builder, default_model_builder, unwrap_model
 from pet.engine.trainer import Trainer
+from pet.evaluation import build_evaluator
+from pet.modeling import META_ARCH_REGISTRY, build_model
 from pet.utils.errors import TrainingError
 
 
@@ -51,6 +54,25 @@ class EpochRecordingSampler(torch.utils.data.Sampler):
 
 def _trainer(cfg, model, loader) -> Trainer:
     return Trainer(cfg, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01), data_loader=loader)
+
+
+@META_ARCH_REGISTRY.register()
+class TrainerApiToyDetector(ToyModel):
+    """A meta-architecture only this file's config names."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.cfg = cfg
+
+
+def test_trainer_builds_the_model_its_config_names(make_cfg):
+    """``Trainer(cfg)`` with no model: Pet's own builders, which importing pet hands to the engine."""
+    assert default_model_builder() is build_model and default_evaluator_builder() is build_evaluator
+    cfg = make_cfg("MODEL.META_ARCHITECTURE", "TrainerApiToyDetector", "SOLVER.MAX_ITER", 2)
+    trainer = Trainer(cfg, data_loader=_batches(2), default_hooks=False)
+    assert type(unwrap_model(trainer.model)) is TrainerApiToyDetector and unwrap_model(trainer.model).cfg is cfg
+    trainer.train()
+    assert trainer.iter == 2
 
 
 def test_iteration_mode_cycles_a_python_list_of_batches(make_cfg):

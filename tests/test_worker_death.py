@@ -28,11 +28,6 @@ DIED = (r"(was killed by signal SIGKILL \(Killed\), most likely by the out-of-me
         r"|exited unexpectedly \(killed for memory, or crashed in native code\))")
 
 
-@pytest.fixture(scope="module")
-def tiny_set(shapes_set) -> str:
-    return shapes_set(num_train=8, num_val=2)
-
-
 def _train(data: str, ckpt: str, *extra: str, nproc: int = 1, check: bool = True):
     opts = [*tiny_set_opts(data, ckpt, max_iter=MAX_ITER, checkpoint_period=4), "DATA.NUM_WORKERS", "2",
             "SOLVER.AMP.ENABLED", "False", "SOLVER.WARMUP_ITERS", "2", "HOOKS.EVAL.PERIOD", "0", "DEVICE", "cpu",

@@ -5,21 +5,16 @@
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import signal
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+from conftest import InfiniteToyLoader, NanLossModel
 
-import torch  # noqa: E402
-from conftest import InfiniteToyLoader, NanLossModel  # noqa: E402
-
-from pet.cli import launch_cli, seed_everything  # noqa: E402
-from pet.config import load_cfg  # noqa: E402
-from pet.engine.trainer import Trainer  # noqa: E402
-from pet.utils.logger import setup_logger  # noqa: E402
+from pet.cli import launch_cli, seed_everything
+from pet.config import load_cfg
+from pet.engine.trainer import Trainer
+from pet.utils.logger import setup_logger
 
 
 def main() -> None:

@@ -35,12 +35,10 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks import coco_eval, data, detectors, engine, onnx, predict  # noqa: E402
-from benchmarks.common import fingerprint  # noqa: E402
+from benchmarks import coco_eval, data, detectors, engine, onnx, predict
+from benchmarks.common import fingerprint
 
 
 def main() -> None:

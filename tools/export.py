@@ -20,25 +20,22 @@ import argparse
 import json
 import logging
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from pet.checkpoint import load_checkpoint, load_weights  # noqa: E402
-from pet.cli import launch_cli  # noqa: E402
-from pet.config import default_weights, load_cfg  # noqa: E402
-from pet.deploy.backend import WEIGHTS_SHA256_KEY, int8_path  # noqa: E402
-from pet.deploy.onnx import export_onnx, import_onnx  # noqa: E402
-from pet.deploy.onnxruntime_model import OnnxRuntimeModel, import_onnxruntime  # noqa: E402
-from pet.deploy.parity import ParityError, check_parity, parity_batches  # noqa: E402
-from pet.modeling import build_model  # noqa: E402
-from pet.predict.labels import ONNX_METADATA_KEY, label_space_from_checkpoint, model_label_space  # noqa: E402
-from pet.utils.errors import ConfigError  # noqa: E402
-from pet.utils.files import atomic_path, file_sha256  # noqa: E402
-from pet.utils.logger import setup_logger  # noqa: E402
+from pet.checkpoint import load_checkpoint, load_weights
+from pet.cli import launch_cli
+from pet.config import default_weights, load_cfg
+from pet.deploy.backend import WEIGHTS_SHA256_KEY, int8_path
+from pet.deploy.onnx import export_onnx, import_onnx
+from pet.deploy.onnxruntime_model import OnnxRuntimeModel, import_onnxruntime
+from pet.deploy.parity import ParityError, check_parity, parity_batches
+from pet.modeling import build_model
+from pet.predict.labels import ONNX_METADATA_KEY, label_space_from_checkpoint, model_label_space
+from pet.utils.errors import ConfigError
+from pet.utils.files import atomic_path, file_sha256
+from pet.utils.logger import setup_logger
 
 logger = logging.getLogger("pet.tools.export")
 

@@ -11,15 +11,12 @@ the overlap, whole in no tile. Predict on it with
 import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import cv2
+import numpy as np
 
-import cv2  # noqa: E402
-import numpy as np  # noqa: E402
-
-from pet.data.shapes import SHAPE_CLASSES, render_scene  # noqa: E402
-from pet.predict.tiling import TileSpec  # noqa: E402
+from pet.data.shapes import SHAPE_CLASSES, render_scene
+from pet.predict.tiling import TileSpec
 
 
 def seam_centers(height: int, width: int, tile: TileSpec, count: int, seed: int) -> list[tuple[float, float]]:

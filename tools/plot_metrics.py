@@ -9,10 +9,8 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pet.engine.events import read_metrics  # noqa: E402
-from pet.utils.visualization import plot_training_curves  # noqa: E402
+from pet.engine.events import read_metrics
+from pet.utils.visualization import plot_training_curves
 
 
 def main() -> None:

@@ -16,22 +16,19 @@ import argparse
 import datetime
 import logging
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
-from tqdm import tqdm  # noqa: E402
-from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: E402
-
-from pet.cli import default_argument_parser, default_setup, launch_cli  # noqa: E402
-from pet.deploy.backend import resolve_backend  # noqa: E402
-from pet.deploy.onnxruntime_model import OnnxRuntimeModel  # noqa: E402
-from pet.predict import PREDICT_DEFAULTS, PredictionWriter, Predictor, PredictStats, Source  # noqa: E402
-from pet.predict.predictor import model_score_thresh  # noqa: E402
-from pet.predict.sources import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS  # noqa: E402
-from pet.predict.writers import check_writable, parse_formats  # noqa: E402
-from pet.utils.errors import ConfigError, DataError  # noqa: E402
-from pet.utils.logger import setup_logger  # noqa: E402
+from pet.cli import default_argument_parser, default_setup, launch_cli
+from pet.deploy.backend import resolve_backend
+from pet.deploy.onnxruntime_model import OnnxRuntimeModel
+from pet.predict import PREDICT_DEFAULTS, PredictionWriter, Predictor, PredictStats, Source
+from pet.predict.predictor import model_score_thresh
+from pet.predict.sources import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
+from pet.predict.writers import check_writable, parse_formats
+from pet.utils.errors import ConfigError, DataError
+from pet.utils.logger import setup_logger
 
 logger = logging.getLogger("pet.tools.predict")
 

@@ -10,21 +10,18 @@ on this CPU and logs which and why (pet/deploy/backend.py); the default, pytorch
 """
 import logging
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from pet.cli import build_test_model, default_argument_parser, default_setup, launch_cli  # noqa: E402
-from pet.deploy.backend import resolve_backend  # noqa: E402
-from pet.engine.build import build_test_hooks  # noqa: E402
-from pet.engine.inference import evaluate_on_datasets, inference_precision  # noqa: E402
-from pet.engine.metrics import flatten_metrics  # noqa: E402
-from pet.evaluation import VisualizationHook, evaluate_results_file  # noqa: E402
-from pet.evaluation.coco import write_json_atomic  # noqa: E402
-from pet.utils import comm  # noqa: E402
-from pet.utils.errors import ConfigError  # noqa: E402
+from pet.cli import build_test_model, default_argument_parser, default_setup, launch_cli
+from pet.deploy.backend import resolve_backend
+from pet.engine.build import build_test_hooks
+from pet.engine.inference import evaluate_on_datasets, inference_precision
+from pet.engine.metrics import flatten_metrics
+from pet.evaluation import VisualizationHook, evaluate_results_file
+from pet.evaluation.coco import write_json_atomic
+from pet.utils import comm
+from pet.utils.errors import ConfigError
 
 logger = logging.getLogger("pet.tools.test_net")
 

@@ -1,10 +1,6 @@
 """Train a model: python tools/train_net.py --cfg cfgs/<dataset>/<model>.yaml [KEY VALUE ...]"""
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pet.cli import build_trainer, default_argument_parser, default_setup, launch_cli  # noqa: E402
+from pet.cli import build_trainer, default_argument_parser, default_setup, launch_cli
 
 
 def main() -> None:

@@ -11,19 +11,16 @@ import argparse
 import itertools
 import logging
 import os
-import sys
 from collections.abc import Iterator
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import cv2
+from fvcore.common.config import CfgNode
 
-import cv2  # noqa: E402
-from fvcore.common.config import CfgNode  # noqa: E402
-
-from pet.cli import launch_cli  # noqa: E402
-from pet.config import load_cfg  # noqa: E402
-from pet.data import DatasetMapper, LabelSpace, build_test_loader, build_train_loader  # noqa: E402
-from pet.utils.logger import setup_logger  # noqa: E402
-from pet.utils.visualization import draw_detections  # noqa: E402
+from pet.cli import launch_cli
+from pet.config import load_cfg
+from pet.data import DatasetMapper, LabelSpace, build_test_loader, build_train_loader
+from pet.utils.logger import setup_logger
+from pet.utils.visualization import draw_detections
 
 logger = logging.getLogger("pet.tools.visualize_data")
 

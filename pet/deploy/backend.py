@@ -41,8 +41,9 @@ from fvcore.common.config import CfgNode
 from pet.config import default_weights, load_cfg
 from pet.engine.build import prepare_model
 from pet.engine.inference import inference_precision
-from pet.engine.models import build_model, resolve_device
+from pet.engine.models import resolve_device
 from pet.engine.precision import choose_precision
+from pet.modeling import build_model
 from pet.utils.cpu import cpu_int8_support, cpu_native_support
 from pet.utils.errors import ConfigError
 from pet.utils.files import file_sha256

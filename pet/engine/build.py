@@ -1,8 +1,9 @@
-"""Everything set up from the config before a run: the model's placement, the hooks, the test callbacks.
+"""Everything set up from the config before a run: the model's placement, the test model, the hooks,
+the test callbacks.
 
-:class:`pet.engine.trainer.Trainer` builds what it is not given through these functions,
-and so do tools/train_net.py and tools/test_net.py (through :mod:`pet.cli`),
-so a config key means the same on every path.
+:class:`pet.engine.trainer.Trainer` builds what it is not given through these functions, and so do
+tools/train_net.py, tools/test_net.py and :class:`pet.predict.Predictor`, so a config key means the
+same on every path.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Any
 import torch
 from fvcore.common.config import CfgNode
 
+from pet.checkpoint import load_weights
+from pet.config import default_weights
 from pet.engine.events import writer_class
 from pet.engine.hooks import (
     HOOKS,
@@ -33,14 +36,17 @@ from pet.engine.hooks import (
     TrainHook,
     get_priority,
 )
-from pet.engine.models import resolve_device
+from pet.engine.models import default_model_builder, resolve_device
+from pet.utils import comm
 from pet.utils.compile import compile_submodules
 from pet.utils.errors import ConfigError
+from pet.utils.model_summary import log_model_summary
 from pet.utils.registry import build_from_spec
 
 __all__ = [
     "DEFAULT_TRAIN_HOOKS",
     "prepare_model",
+    "build_test_model",
     "build_train_hooks",
     "build_custom_hooks",
     "build_test_hooks",
@@ -72,6 +78,22 @@ def prepare_model(model: torch.nn.Module, cfg: CfgNode, device: torch.device | N
     ``DEVICE``) with ``MODEL.COMPILE`` applied."""
     model.to(device if device is not None else resolve_device(cfg.DEVICE))
     compile_submodules(model, cfg.MODEL.COMPILE)
+    return model
+
+
+def build_test_model(cfg: CfgNode, *, weights: str = "", unsafe: bool = False,
+                     checkpoint: Any = None) -> torch.nn.Module:
+    """The model of ``cfg`` with ``weights`` (default: :func:`pet.config.default_weights`) loaded,
+    on ``DEVICE``, as tools/test_net.py evaluates it; ``checkpoint``: the file's contents when the caller
+    has read them already (:func:`pet.checkpoint.load_checkpoint`), so the file is read once.
+
+    Weights that leave part of the model at its initial values are a :class:`ConfigError` naming the part,
+    unless ``TEST.ALLOW_RANDOM_WEIGHTS`` (:func:`pet.checkpoint.load_weights` with ``for_inference``)."""
+    model = prepare_model(default_model_builder()(cfg), cfg)
+    load_weights(model, weights or default_weights(cfg), unsafe=unsafe, for_inference=True,
+                 allow_random=cfg.TEST.ALLOW_RANDOM_WEIGHTS, checkpoint=checkpoint)
+    if comm.is_main_process():
+        log_model_summary(model, cfg)
     return model
 
 

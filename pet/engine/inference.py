@@ -20,7 +20,7 @@ from pet.data.synthetic import synthetic_batch
 from pet.data.workers import watched
 from pet.engine.inference_timer import InferenceTimer
 from pet.engine.metrics import flatten_metrics
-from pet.engine.models import build_evaluator, call_model, model_device
+from pet.engine.models import call_model, default_evaluator_builder, model_device
 from pet.engine.precision import Precision, choose_precision
 from pet.engine.speed_probe import model_probe
 from pet.utils import comm
@@ -28,7 +28,7 @@ from pet.utils.rng import get_rng_state, set_rng_state
 from pet.utils.tensor import move_to_device
 from pet.utils.timers import activate
 
-__all__ = ["Evaluator", "TestCallback", "build_evaluator", "inference_on_dataset", "evaluate_on_datasets",
+__all__ = ["Evaluator", "TestCallback", "inference_on_dataset", "evaluate_on_datasets",
            "inference_precision", "validation_loss"]
 
 logger = logging.getLogger(__name__)
@@ -195,7 +195,7 @@ def evaluate_on_datasets(
     for name in datasets:
         loader = build_test_loader(cfg, name)
         out_dir = output_dir if len(datasets) == 1 else os.path.join(output_dir, name)
-        evaluator = build_evaluator(cfg, loader.dataset, out_dir)
+        evaluator = default_evaluator_builder()(cfg, loader.dataset, out_dir)
         results = inference_on_dataset(model, loader, evaluator, test_hook, hooks, precision)
         if cfg.TEST.VAL_LOSS:
             # Training targets (masks too for a mask model), the test transforms.

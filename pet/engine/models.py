@@ -4,48 +4,69 @@ re-exported here), calling it on a batch.
 Kept free of the loop, the hooks and the test loop so every one of them can import it
 (``pet/engine`` is an acyclic graph of modules; this is one of its roots, with :mod:`pet.engine.metrics`).
 
-**The model and the evaluator.** DESIGN.md asks two things at once: ``Trainer(cfg)`` and the test
-loop build the detector and the evaluator the config names, and ``pet/engine`` never imports
-``pet.modeling`` or ``pet.evaluation`` (the models never see the engine; evaluation uses the engine's
-callbacks). :func:`build_model` and :func:`build_evaluator` reconcile them: each finds the builder of
-the package that owns the registry (:mod:`pet.modeling.build`, :mod:`pet.evaluation.build`) by its
-dotted name on first use, as MMEngine finds a registry by its default scope. These two names are the
-only place the engine names those packages, and no import statement does; passing builders in from
-every entry point instead would leave ``Trainer(cfg)`` (DESIGN.md's contract) without one.
+**The default builders.** ``Trainer(cfg)`` and the test loop build the detector and the evaluator the
+config names, yet ``pet/engine`` never imports ``pet.modeling`` or ``pet.evaluation`` (docs/design.md,
+the layer rule). So the engine keeps a slot for each builder and the package fills both when it is
+imported: ``pet/__init__.py`` imports :mod:`pet.modeling` and :mod:`pet.evaluation` and calls
+:func:`register_default_builders` with their ``build_model`` and ``build_evaluator``. Every import of
+an engine module runs ``pet/__init__.py`` first, so ``from pet.engine.trainer import Trainer`` always
+finds them, and the dependency is an import statement in the import graph, not a name in a string.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from fvcore.common.config import CfgNode
 
 from pet.utils.comm import unwrap_model
 from pet.utils.errors import TrainingError
-from pet.utils.registry import locate
 
 __all__ = [
+    "ModelBuilder",
+    "EvaluatorBuilder",
+    "register_default_builders",
+    "default_model_builder",
+    "default_evaluator_builder",
     "resolve_device",
     "model_device",
     "unwrap_model",
     "call_model",
-    "build_model",
-    "build_evaluator",
 ]
 
-# The builders of the packages above the engine, by name (see the module docstring).
-MODEL_BUILDER = "pet.modeling.build.build_model"
-EVALUATOR_BUILDER = "pet.evaluation.build.build_evaluator"
+# ``build_model(cfg)``: the ``MODEL.META_ARCHITECTURE`` detector on the CPU (:func:`pet.modeling.build_model`).
+ModelBuilder = Callable[[CfgNode], torch.nn.Module]
+# ``build_evaluator(cfg, dataset, output_dir)``: the ``TEST.EVALUATOR`` (:func:`pet.evaluation.build_evaluator`).
+EvaluatorBuilder = Callable[[CfgNode, Any, str], Any]
+
+_DEFAULT_BUILDERS: dict[str, Callable[..., Any]] = {}
 
 
-def build_model(cfg: Any) -> torch.nn.Module:
-    """The ``MODEL.META_ARCHITECTURE`` detector built from ``cfg``, on the CPU (:func:`pet.modeling.build_model`)."""
-    return locate(MODEL_BUILDER)(cfg)
+def register_default_builders(*, model: ModelBuilder, evaluator: EvaluatorBuilder) -> None:
+    """Set what builds the model and the evaluator when ``Trainer`` or the test loop is given none.
+
+    ``pet/__init__.py`` calls it once with Pet's own builders (see the module docstring).
+    """
+    _DEFAULT_BUILDERS.update(model=model, evaluator=evaluator)
 
 
-def build_evaluator(cfg: Any, dataset: Any, output_dir: str) -> Any:
-    """The ``TEST.EVALUATOR`` for ``dataset`` writing into ``output_dir`` (:func:`pet.evaluation.build_evaluator`)."""
-    return locate(EVALUATOR_BUILDER)(cfg, dataset, output_dir)
+def default_model_builder() -> ModelBuilder:
+    """The builder of the config's detector (:func:`pet.modeling.build_model` once ``pet`` is imported)."""
+    return _default_builder("model")
+
+
+def default_evaluator_builder() -> EvaluatorBuilder:
+    """The builder of the config's evaluator (:func:`pet.evaluation.build_evaluator` once ``pet`` is imported)."""
+    return _default_builder("evaluator")
+
+
+def _default_builder(kind: str) -> Callable[..., Any]:
+    if kind not in _DEFAULT_BUILDERS:  # only while pet/__init__.py is still running
+        raise TrainingError(f"No default {kind} builder yet: the engine was used before pet/__init__.py "
+                            f"registered pet's builders (register_default_builders)")
+    return _DEFAULT_BUILDERS[kind]
 
 
 def resolve_device(name: str) -> torch.device:

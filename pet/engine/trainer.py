@@ -28,7 +28,7 @@ from pet.engine.build import build_train_hooks, prepare_model
 from pet.engine.events import EventStorage
 from pet.engine.hooks.base import HookList, TrainHook
 from pet.engine.loops import TrainLoop, build_loop
-from pet.engine.models import build_model, resolve_device, unwrap_model
+from pet.engine.models import default_model_builder, resolve_device, unwrap_model
 from pet.engine.optim import build_lr_scheduler, build_optimizer
 from pet.engine.precision import choose_precision
 from pet.engine.speed_probe import model_probe
@@ -64,7 +64,7 @@ class Trainer:
         self.cfg = cfg
         self.output_dir = cfg.CKPT
         self.device = resolve_device(cfg.DEVICE)
-        model = prepare_model(model if model is not None else build_model(cfg), cfg, self.device)
+        model = prepare_model(model if model is not None else default_model_builder()(cfg), cfg, self.device)
         self.model = _wrap_distributed(model, self.device)
         # Whether the loader is the config's (TRAIN.DATASETS) or the caller's: PreciseBN estimates on the caller's.
         self.data_loader_from_cfg = data_loader is None

@@ -29,11 +29,11 @@ import torch
 from fvcore.common.config import CfgNode
 
 from pet.checkpoint import load_checkpoint
-from pet.cli import build_test_model
 from pet.config import default_weights, load_cfg
 from pet.data import build_augmentations, read_image, register_custom_datasets
 from pet.data.categories import LabelSpace
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel
+from pet.engine.build import build_test_model
 from pet.engine.inference import inference_precision
 from pet.engine.inference_timer import InferenceTimer
 from pet.engine.models import call_model, model_device

@@ -30,18 +30,14 @@ logger = logging.getLogger(__name__)
 
 
 class Registry(_FvcoreRegistry):
-    """fvcore's registry, plus dotted-path lookup, a did-you-mean error and a default module.
+    """fvcore's registry, plus dotted-path lookup (a user's own class) and a did-you-mean error.
 
-    ``default_module`` is imported on the first lookup of a name that is not registered
-    yet, so entries that need optional packages can live in a module that is imported only
-    when one is named (the experiment-tracker writers), the way MMEngine's default scope works.
     A class renamed in a release keeps its old name through :meth:`register_renamed` until the
     release that removes it (CHANGELOG.md lists them).
     """
 
-    def __init__(self, name: str, default_module: str | None = None) -> None:
+    def __init__(self, name: str) -> None:
         super().__init__(name)
-        self._default_module = default_module
         self._renamed: dict[str, tuple[str, str]] = {}
 
     def register_renamed(self, old: str, new: str, removed_in: str) -> None:
@@ -53,9 +49,6 @@ class Registry(_FvcoreRegistry):
             new, removed_in = self._renamed[name]
             logger.warning(f"{self._name} '{name}' is now called '{new}'; the old name goes in Pet {removed_in}.")
             name = new
-        if name not in self and self._default_module:
-            importlib.import_module(self._default_module)
-            self._default_module = None
         if name in self:
             return super().get(name)
         if "." in name:
