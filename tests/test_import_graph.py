@@ -179,13 +179,9 @@ def test_dependencies_point_one_way(importer, forbidden):
 
 
 # The command-line module sets up a process for tools/; a library module that imported it would depend on
-# every layer at once. pet.engine.defaults is the deprecated alias of pet.cli and goes with its shim.
-CLI_ALIASES = {"pet.engine.defaults"}
-
-
+# every layer at once.
 def test_no_library_module_imports_the_command_line_module():
-    assert CLI_ALIASES <= set(MODULES)  # an alias that is gone leaves this list
-    importers = {module for module in MODULES if module not in CLI_ALIASES | {"pet.cli"}
+    importers = {module for module in MODULES if module != "pet.cli"
                  and "pet.cli" in {*_imports(module)[0], *(name for _, name in _imports(module)[1])}}
     assert importers == set()
 

@@ -70,14 +70,14 @@ class Precision:
 
 def choose_precision(enabled: Any, dtype: str, device: torch.device | str, *, training: bool,
                      key: str = "SOLVER.AMP", warn: bool = True,
-                     probe: Callable[[], SpeedProbe] | None = None) -> Precision:
+                     probe: Callable[[], SpeedProbe | None] | None = None) -> Precision:
     """Decide the precision for ``device`` from ``{key}.ENABLED`` (auto/True/False) and ``{key}.DTYPE``.
 
     ``dtype`` is "auto" (bfloat16 on CPU, float16 on CUDA), "bfloat16" or "float16" (the values
     :func:`pet.config.validate_cfg` admits). Raises :class:`ConfigError` for a choice the hardware
     cannot run (bfloat16 on a GPU without it). ``probe`` makes the step to time where ``auto`` has to
-    measure (a CPU with the instructions: see the module docstring); without one, such a CPU gets
-    float32. ``warn`` False: only weighing it (``--backend auto``), not running it.
+    measure (a CPU with the instructions: see the module docstring); without one (or when it makes none:
+    no batch to time), such a CPU gets float32. ``warn`` False: only weighing it (``--backend auto``).
     """
     device_type = torch.device(device).type
     if enabled is False:
@@ -100,15 +100,17 @@ def choose_precision(enabled: Any, dtype: str, device: torch.device | str, *, tr
     return Precision("cpu", _DTYPES[name], False, f"{key}.ENABLED True")
 
 
-def _measured_cpu_precision(name: str, key: str, support: str, probe: Callable[[], SpeedProbe] | None) -> Precision:
+def _measured_cpu_precision(name: str, key: str, support: str,
+                            probe: Callable[[], SpeedProbe | None] | None) -> Precision:
     """``name`` autocast where it is measured clearly faster than float32 for ``probe``'s model, else float32.
     Rank 0 measures (or reads the cache) and every rank takes its decision."""
     force = f"set {key}.ENABLED True or False to force one"
-    if probe is None:
-        return Precision("cpu", None, False, f"{key}.ENABLED auto and {support}, but no model was given to measure "
-                                             f"whether {name} is faster for it; {force}")
-    measurement = measured_speedup(probe(), _DTYPES[name]) if comm.is_main_process() else None
+    step = probe() if probe is not None and comm.is_main_process() else None
+    measurement = measured_speedup(step, _DTYPES[name]) if step is not None else None
     measurement = comm.broadcast_object(measurement)
+    if measurement is None:
+        return Precision("cpu", None, False, f"{key}.ENABLED auto and {support}, but there was no model and batch "
+                                             f"to measure whether {name} is faster; {force}")
     reason = f"{key}.ENABLED auto and {support}; {measurement.describe()}; {force}"
     return Precision("cpu", _DTYPES[name] if measurement.faster else None, False, reason)
 

@@ -31,7 +31,7 @@ from pet.engine.loops import TrainLoop, build_loop
 from pet.engine.models import default_model_builder, resolve_device, unwrap_model
 from pet.engine.optim import build_lr_scheduler, build_optimizer
 from pet.engine.precision import choose_precision
-from pet.engine.speed_probe import model_probe
+from pet.engine.speed_probe import SpeedProbe, model_probe
 from pet.engine.step import TrainStep
 from pet.utils import comm
 from pet.utils.errors import ConfigError
@@ -75,7 +75,7 @@ class Trainer:
         self.optimizer = optimizer if optimizer is not None else build_optimizer(cfg, unwrap_model(self.model))
         self.scheduler = scheduler if scheduler is not None else build_lr_scheduler(cfg, self.optimizer, self.max_iter)
         precision = choose_precision(cfg.SOLVER.AMP.ENABLED, cfg.SOLVER.AMP.DTYPE, self.device, training=True,
-                                     probe=lambda: model_probe(model, self._probe_batch(), training=True))
+                                     probe=self._probe)
         logger.info(f"Training precision: {precision}")
         self.train_step = TrainStep(self.model, self.optimizer, precision, clip_grad_norm=cfg.SOLVER.CLIP_GRAD_NORM,
                                     skip_nonfinite=cfg.SOLVER.SKIP_NONFINITE)
@@ -89,16 +89,19 @@ class Trainer:
         if default_hooks:
             self.register_hooks(build_train_hooks(cfg, self))
 
-    def _probe_batch(self) -> Any:
-        """A batch to time a training step on (see :mod:`pet.engine.speed_probe`): a generated one shaped as the
-        config's loader shapes them, or the first batch of the caller's loader (the random generators restored)."""
+    def _probe(self) -> SpeedProbe | None:
+        """A training step to time (see :mod:`pet.engine.speed_probe`) on a generated batch shaped as the config's
+        loader shapes them, or on the first batch of the caller's loader (the random generators restored; None
+        for an empty loader, which the loop then reports)."""
         if self.data_loader_from_cfg:
-            return synthetic_batch(self.cfg, training=True)
-        rng = get_rng_state()
-        try:
-            return next(iter(self.data_loader))
-        finally:
-            set_rng_state(rng)
+            batch = synthetic_batch(self.cfg, training=True)
+        else:
+            rng = get_rng_state()
+            try:
+                batch = next(iter(self.data_loader), None)
+            finally:
+                set_rng_state(rng)
+        return None if batch is None else model_probe(self.model, batch, training=True)
 
     @property
     def iter(self) -> int:
