@@ -281,10 +281,12 @@ _C.SOLVER.SKIP_NONFINITE = False
 
 # Mixed precision of training (pet/engine/precision.py): autocast the forward pass.
 _C.SOLVER.AMP = CN()
-# "auto": what the hardware runs natively, as torch reports it: bfloat16 on a CPU with native
-# bfloat16 (AVX512-BF16/AMX), float32 on other CPUs (where bfloat16 is emulated, many times
-# slower), float16 with a gradient scaler on CUDA. True forces autocast (a CPU without native
-# support warns once), False forces float32. The log says which precision was picked and why.
+# "auto": the fastest for this model on this hardware. A CPU without bfloat16 instructions (AVX512_BF16
+# or AMX, as torch reads them): float32 (bfloat16 would be emulated, many times slower). A CPU with
+# them: one training step of the model timed in both precisions, bfloat16 only when >= 1.15x faster
+# (pet/engine/speed_probe.py), cached per machine and model in ~/.cache/pet (PET_CACHE_DIR). CUDA:
+# float16 with a gradient scaler. True forces autocast (a CPU without native support warns once),
+# False forces float32. The log says which precision was picked and why.
 _C.SOLVER.AMP.ENABLED = "auto"
 # "auto" (bfloat16 on CPU, float16 on CUDA), "bfloat16" or "float16".
 _C.SOLVER.AMP.DTYPE = "auto"
@@ -420,6 +422,7 @@ _C.TEST.IMS_PER_BATCH = 1
 # float16). False gives float32, where Pet's detections are those of torchvision's model in the same
 # memory format (the parity tests).
 _C.TEST.AMP = CN()
+# As SOLVER.AMP, for inference: where the CPU has bfloat16 instructions, a forward pass is timed.
 _C.TEST.AMP.ENABLED = "auto"
 _C.TEST.AMP.DTYPE = "auto"
 # Also compute the validation loss (the training losses on TEST.DATASETS, without updating the model
