@@ -25,7 +25,7 @@ LOSSES = {"loss_objectness", "loss_rpn_box_reg", "loss_classifier", "loss_box_re
 
 def test_mask_rcnn_inference_parity_with_torchvision():
     """torchvision's maskrcnn_resnet50_fpn weights give torchvision's detections and masks (IoU >= 0.99 each): the
-    same as its model run channels-last, and torchvision's default run up to its memory format's rounding
+    same as its model run channels-last, and torchvision's default run in float64 up to its memory format's rounding
     (tests/parity.py)."""
     check_inference_parity("mask_rcnn")
 

@@ -125,7 +125,7 @@ def test_r50_config_freezes_what_torchvision_freezes():
 
 def test_faster_rcnn_inference_parity_with_torchvision():
     """torchvision's fasterrcnn_resnet50_fpn weights give torchvision's detections: the same as its model run
-    channels-last, and torchvision's default run up to its memory format's rounding (tests/parity.py)."""
+    channels-last, and torchvision's default run in float64 up to its memory format's rounding (tests/parity.py)."""
     check_inference_parity("faster_rcnn")
 
 

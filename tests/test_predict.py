@@ -92,9 +92,12 @@ def write_scene(path: str, size: tuple[int, int], boxes: list[tuple[int, int, in
     cv2.imwrite(path, image)
 
 
-def run_predict(*args: object, check: bool = True) -> subprocess.CompletedProcess:
+def run_predict(*args: object, check: bool = True, threads: int = 2) -> subprocess.CompletedProcess:
+    """tools/predict.py with ``threads`` OpenMP threads. A test comparing its numbers with this process's gives it
+    this process's count (``torch.get_num_threads()``): in float32 another count can sum in another order."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "predict.py"), *map(str, args)],
-                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"}, timeout=600)
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+                          timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"predict.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
@@ -178,8 +181,11 @@ def test_a_score_threshold_below_the_models_gives_the_same_detections_from_pytho
     for name in ("000001.jpg", "000002.jpg"):
         shutil.copy(f"{demo.val_dir}/{name}", images / name)
     opts = [*demo.opts, "TEST.WEIGHTS", demo.weights, "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.54"]
+    # The command line with this process's thread count, so both compute alike and the files can be compared
+    # exactly: with 2 threads against 1, float32 (TEST.AMP auto on a CPU without native bfloat16) put scores 1e-6
+    # apart, enough to change a printed digit and the order of near-ties (AVX-512 without bf16, and AVX2).
     run_predict("--cfg", DEMO_CFG, "--input", images, "--output", tmp_path / "cli", "--save", "csv",
-                "--score-thresh", "0.1", *opts)
+                "--score-thresh", "0.1", *opts, threads=torch.get_num_threads())
     cfg = predict_cfg(DEMO_CFG, opts)
     source = Source(str(images))
     predictor = Predictor(cfg, score_thresh=0.1)

@@ -44,8 +44,8 @@ def _demo_cfg(name: str, *opts: str):
 @pytest.mark.parametrize("name", MODELS)
 def test_one_stage_inference_parity_with_torchvision(name):
     """torchvision's retinanet / fcos_resnet50_fpn weights give torchvision's detections (its label 0, COCO's unused
-    category, dropped as Pet drops it): the same as its model run channels-last, and torchvision's default run up
-    to its memory format's rounding (tests/parity.py)."""
+    category, dropped as Pet drops it): the same as its model run channels-last, and torchvision's default run in
+    float64 up to its memory format's rounding (tests/parity.py)."""
     check_inference_parity(name)
 
 
