@@ -473,11 +473,7 @@ def check_training_parity(arch: str) -> dict[str, float]:
     RoIs with them. Returns the worst loss ratio, the lowest cosine and the largest relative norm difference.
     """
     cfg, model, reference = model_pair(arch)
-    model.double(), reference.double()
-    # The config's mean and std straight to float64, as torchvision's transform takes them (Pet's buffers were
-    # rounded to float32 before .double()).
-    for name, values in (("mean", cfg.MODEL.PIXEL_MEAN), ("std", cfg.MODEL.PIXEL_STD)):
-        setattr(model.normalizer, name, torch.tensor(values, dtype=torch.float64).view(1, -1, 1, 1) / 255)
+    model, reference = _float64(cfg, model), reference.double()
     images, targets = pet_batch(cfg, training_images(), train=True)
     targets = [{k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in t.items()}
                for t in targets]
