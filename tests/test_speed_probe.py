@@ -17,6 +17,7 @@ import torch
 from conftest import FakeClock, InfiniteToyLoader, ToyModel, run_two_ranks
 
 from pet.engine import speed_probe
+from pet.engine.events import get_event_storage
 from pet.engine.precision import choose_precision
 from pet.engine.speed_probe import MARGIN, DecisionCache, SpeedProbe, model_probe
 from pet.engine.trainer import Trainer
@@ -141,6 +142,36 @@ def test_without_bfloat16_instructions_nothing_is_measured(bf16_cpu, monkeypatch
 def test_without_a_model_to_measure_auto_is_float32_and_says_why(bf16_cpu):
     chosen = choose_precision("auto", "auto", "cpu", training=False, key="TEST.AMP")
     assert chosen.dtype is None and "there was no model and batch to measure whether bfloat16" in chosen.reason
+
+
+class LoggingFailingToy(ToyModel):
+    """Logs a scalar each call, as a detector may, and fails on its ``fail_at``-th call."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at, self.calls = fail_at, 0
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.calls += 1
+        get_event_storage().put_scalar("calls", self.calls)
+        if self.calls == self.fail_at:
+            raise RuntimeError("step failed")
+        return super().forward(x, y)
+
+
+def test_a_model_that_fails_while_timed_trains_in_float32_and_fails_in_its_own_place(bf16_cpu, make_cfg, caplog):
+    """The probe runs a copy of the model (here logging into a storage of the probe's own), so a model that
+    raises there raises again where training runs it, with the loop's handling; meanwhile float32, and why."""
+    cfg = make_cfg("SOLVER.MAX_ITER", 10)
+    with caplog.at_level("WARNING", logger="pet.engine.precision"):
+        trainer = Trainer(cfg, model=LoggingFailingToy(fail_at=3), data_loader=InfiniteToyLoader())
+    assert trainer.train_step.precision.dtype is None
+    assert "timing the model failed (RuntimeError: step failed)" in trainer.train_step.precision.reason
+    assert [r.getMessage() for r in caplog.records] == [
+        "Could not time the model to choose its precision (RuntimeError: step failed); using float32"]
+    with pytest.raises(RuntimeError, match="step failed"):
+        trainer.train()
+    assert trainer.iter == 2  # the real model failed at its own third call: two iterations completed
 
 
 def test_measuring_leaves_the_model_and_the_random_generators_as_they_were():

@@ -105,12 +105,19 @@ def _measured_cpu_precision(name: str, key: str, support: str,
     """``name`` autocast where it is measured clearly faster than float32 for ``probe``'s model, else float32.
     Rank 0 measures (or reads the cache) and every rank takes its decision."""
     force = f"set {key}.ENABLED True or False to force one"
-    step = probe() if probe is not None and comm.is_main_process() else None
-    measurement = measured_speedup(step, _DTYPES[name]) if step is not None else None
-    measurement = comm.broadcast_object(measurement)
+    measurement, failure = None, ""
+    if comm.is_main_process():
+        try:
+            step = probe() if probe is not None else None
+            measurement = measured_speedup(step, _DTYPES[name]) if step is not None else None
+        except Exception as exc:  # noqa: BLE001 - the model's own error surfaces where it runs for real
+            failure = f"{type(exc).__name__}: {exc}"
+            logger.warning(f"Could not time the model to choose its precision ({failure}); using float32")
+    measurement, failure = comm.broadcast_object((measurement, failure))
     if measurement is None:
-        return Precision("cpu", None, False, f"{key}.ENABLED auto and {support}, but there was no model and batch "
-                                             f"to measure whether {name} is faster; {force}")
+        why = (f"timing the model failed ({failure})" if failure
+               else f"there was no model and batch to measure whether {name} is faster")
+        return Precision("cpu", None, False, f"{key}.ENABLED auto and {support}, but {why}; {force}")
     reason = f"{key}.ENABLED auto and {support}; {measurement.describe()}; {force}"
     return Precision("cpu", _DTYPES[name] if measurement.faster else None, False, reason)
 

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from pet.engine.events import EventStorage
 from pet.engine.models import call_model, unwrap_model
 from pet.utils.cpu import machine_fingerprint
 from pet.utils.files import write_json_atomic
@@ -171,22 +172,30 @@ def time_probe(probe: SpeedProbe, dtype: torch.dtype) -> Measurement:
     precisions = {"float32": contextlib.nullcontext, "low": lambda: torch.autocast("cpu", dtype=dtype)}
     times: dict[str, list[float]] = {"float32": [], "low": []}
     rng = get_rng_state()
-    try:
-        for autocast in precisions.values():  # warm-up: oneDNN's kernels are created on first use
-            probe.step(autocast())
-        start = time.perf_counter()
-        rounds = 0
-        while rounds < MIN_ROUNDS or (rounds < MAX_ROUNDS and time.perf_counter() - start < BUDGET_S):
-            for name, autocast in precisions.items():
-                begin = time.perf_counter()
-                probe.step(autocast())
-                times[name].append(time.perf_counter() - begin)
-            rounds += 1
-    finally:
-        set_rng_state(rng)
+    # A storage of its own: a model that logs (get_event_storage) works, and logs nothing into the run's.
+    with EventStorage():
+        try:
+            _run_rounds(probe, precisions, times)
+        finally:
+            set_rng_state(rng)
     medians = {name: statistics.median(values) for name, values in times.items()}
     spread = max((max(values) - min(values)) / max(medians[name], 1e-9) for name, values in times.items())
-    return Measurement(str(dtype).replace("torch.", ""), medians["float32"], medians["low"], rounds, spread)
+    return Measurement(str(dtype).replace("torch.", ""), medians["float32"], medians["low"], len(times["low"]),
+                       spread)
+
+
+def _run_rounds(probe: SpeedProbe, precisions: dict[str, Callable[[], Any]], times: dict[str, list[float]]) -> None:
+    """One warm-up step per precision, then alternating timed rounds into ``times`` (see the module docstring)."""
+    for autocast in precisions.values():  # warm-up: oneDNN's kernels are created on first use
+        probe.step(autocast())
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < MIN_ROUNDS or (rounds < MAX_ROUNDS and time.perf_counter() - start < BUDGET_S):
+        for name, autocast in precisions.items():
+            begin = time.perf_counter()
+            probe.step(autocast())
+            times[name].append(time.perf_counter() - begin)
+        rounds += 1
 
 
 def model_probe(model: torch.nn.Module, batch: Any, *, training: bool) -> SpeedProbe:
