@@ -13,9 +13,9 @@ next CPU will fool any table written today). So where the flags allow bfloat16,
   so a run that probed draws exactly what a run that reused the decision draws.
 - **The timing**: one warm-up step per precision, then alternating rounds (float32, low,
   float32, ...), at least :data:`MIN_ROUNDS` and until :data:`BUDGET_S` seconds are spent
-  (at most :data:`MAX_ROUNDS`); the medians are compared. Timings that spread by more than
-  :data:`MAX_SPREAD` (other processes competing for the cores) are cached all the same, so the
-  machine stays consistent, and the log says how to measure again on a quiet machine.
+  (at most :data:`MAX_ROUNDS`); the medians are compared. Timings whose median absolute deviation
+  exceeds :data:`MAX_SPREAD` of their median (other processes competing for the cores) are cached
+  all the same, so the machine stays consistent, and the log says how to measure again.
 - **The cache** (:class:`DecisionCache`): the result is stored under ``PET_CACHE_DIR`` (default
   ``$XDG_CACHE_HOME/pet`` or ``~/.cache/pet``), keyed by this machine's fingerprint
   (:func:`pet.utils.cpu.machine_fingerprint`: CPU model and flags, instruction-set caps, torch
@@ -55,8 +55,9 @@ MARGIN = 1.15
 MIN_ROUNDS = 3
 MAX_ROUNDS = 10
 BUDGET_S = 3.0
-# The largest (slowest - fastest) / median of either precision's timings the log calls steady.
-MAX_SPREAD = 0.25
+# The largest median absolute deviation / median of either precision's timings the log calls steady (robust
+# to one slow round, which a max - min spread is not: a quiet 2-core machine showed 35% max - min).
+MAX_SPREAD = 0.1
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class Measurement:
                else f"measured earlier on this machine and model, reused from {self.source}")
         verdict = (f"at least {MARGIN}x, so {self.dtype}" if self.faster
                    else f"below the {MARGIN}x needed, so float32")
-        unsteady = ("" if self.steady else f"; the timings spread by {self.spread:.0%} (were other processes busy?): "
+        unsteady = ("" if self.steady else f"; the timings varied by {self.spread:.0%} (were other processes busy?): "
                     f"to measure again on a quiet machine, delete {DecisionCache().path}")
         return (f"{how}: float32 {self.float32_s * 1000:.1f} ms/step, {self.dtype} {self.low_s * 1000:.1f} ms/step "
                 f"({self.speedup:.2f}x, {verdict}){unsteady}")
@@ -179,7 +180,8 @@ def time_probe(probe: SpeedProbe, dtype: torch.dtype) -> Measurement:
         finally:
             set_rng_state(rng)
     medians = {name: statistics.median(values) for name, values in times.items()}
-    spread = max((max(values) - min(values)) / max(medians[name], 1e-9) for name, values in times.items())
+    spread = max(statistics.median(abs(t - medians[name]) for t in values) / max(medians[name], 1e-9)
+                 for name, values in times.items())
     return Measurement(str(dtype).replace("torch.", ""), medians["float32"], medians["low"], len(times["low"]),
                        spread)
 
