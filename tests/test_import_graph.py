@@ -40,10 +40,6 @@ def _imported_names(node: ast.AST) -> Iterator[str]:
             yield submodule if submodule in MODULES else node.module
 
 
-def _is_type_checking_block(node: ast.AST) -> bool:
-    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-
-
 def _imports(module: str) -> tuple[set[str], list[tuple[int, str]]]:
     """(pet modules imported when ``module`` is imported, [(line, module) imported inside a function or class])."""
     with open(MODULES[module], encoding="utf-8") as f:
@@ -53,8 +49,6 @@ def _imports(module: str) -> tuple[set[str], list[tuple[int, str]]]:
 
     def visit(node: ast.AST, nested: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if _is_type_checking_block(child):
-                continue
             inner = nested or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef))
             for name in _imported_names(child):
                 if name == "pet" or name.startswith("pet."):

@@ -32,23 +32,42 @@ import signal
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import torch
 from fvcore.common.config import CfgNode
 
+from pet.checkpoint import Checkpointer
 from pet.data.workers import WORKER_DIED_EXIT_CODE, fetch, remedy
 from pet.engine.events import EventStorage
+from pet.engine.step import TrainStep
 from pet.utils import comm
 from pet.utils.errors import ConfigError, TrainingError, TrainingInterrupted
 from pet.utils.tensor import move_to_device
-
-if TYPE_CHECKING:  # the trainer builds and holds its loop; the loop only reads and sets the trainer's state
-    from pet.engine.trainer import Trainer
 
 __all__ = ["TrainLoop", "IterationLoop", "EpochLoop", "build_loop", "endless_batches", "WorkerDiedAtFetch",
            "StopSignals"]
 
 logger = logging.getLogger(__name__)
+
+
+class LoopTrainer(Protocol):
+    """What a loop reads and sets of the trainer it runs (:class:`pet.engine.trainer.Trainer` has it all). The
+    trainer builds and holds its loop, so the loop names this shape instead of importing the trainer module.
+    ``hooks`` is a :class:`pet.engine.hooks.HookList` (callable by mount point, with ``cost_table()``)."""
+
+    model: torch.nn.Module
+    device: torch.device
+    hooks: Any
+    storage: EventStorage
+    train_step: TrainStep
+    checkpointer: Checkpointer
+    iter: int
+    start_iter: int
+    epoch: int
+    stop_training: bool
+    last_step_seconds: float
+    last_data_seconds: float
 
 
 class WorkerDiedAtFetch(Exception):
@@ -95,7 +114,7 @@ class TrainLoop:
         self.signals = StopSignals()
         self._batches: Iterator[Any] = iter(())
 
-    def run(self, trainer: Trainer) -> None:
+    def run(self, trainer: LoopTrainer) -> None:
         """Train from ``trainer.start_iter`` to :attr:`max_iter`; ``after_train`` runs even when a step fails."""
         trainer.model.train()
         trainer.storage = EventStorage(trainer.start_iter)
@@ -121,11 +140,11 @@ class TrainLoop:
                 if comm.is_main_process():
                     logger.info(f"Time spent in hooks:\n{trainer.hooks.cost_table()}")
 
-    def call_hooks(self, trainer: Trainer, point: str, **kwargs: Any) -> None:
+    def call_hooks(self, trainer: LoopTrainer, point: str, **kwargs: Any) -> None:
         """Call mount point ``point`` on every hook with ``trainer``, ``storage`` and :meth:`hook_kwargs`."""
         trainer.hooks(point, trainer=trainer, storage=trainer.storage, **{**self.hook_kwargs(trainer), **kwargs})
 
-    def hook_kwargs(self, trainer: Trainer) -> dict[str, int]:
+    def hook_kwargs(self, trainer: LoopTrainer) -> dict[str, int]:
         """The mode's extra keyword arguments for every mount point (``epoch=``/``max_epochs=`` in epoch mode)."""
         return {}
 
@@ -133,16 +152,16 @@ class TrainLoop:
         """Iteration ``iteration`` ends a period of ``period`` units of this mode (never for ``period <= 0``)."""
         return period > 0 and iteration % period == 0
 
-    def _run_epochs(self, trainer: Trainer) -> None:
+    def _run_epochs(self, trainer: LoopTrainer) -> None:
         """The mode's epochs: ``before_epoch``, steps up to the epoch's end, ``after_epoch``."""
         raise NotImplementedError
 
-    def _run_steps(self, trainer: Trainer, end: int) -> None:
+    def _run_steps(self, trainer: LoopTrainer, end: int) -> None:
         """Run iterations until ``trainer.iter`` reaches ``end`` or a hook sets ``trainer.stop_training``."""
         while trainer.iter < end and not trainer.stop_training:
             self._run_step(trainer)
 
-    def _run_step(self, trainer: Trainer) -> None:
+    def _run_step(self, trainer: LoopTrainer) -> None:
         """One iteration: the counter moves to it, hooks around the step; a failure leaves it uncounted."""
         trainer.iter += 1
         try:
@@ -171,7 +190,7 @@ class TrainLoop:
             self._save_and_stop(trainer, f"Training stopped by {signal.Signals(signum).name} after iteration "
                                 f"{trainer.iter}", 128 + signum)
 
-    def _save_and_stop(self, trainer: Trainer, reason: str, exit_code: int, advice: str = "") -> None:
+    def _save_and_stop(self, trainer: LoopTrainer, reason: str, exit_code: int, advice: str = "") -> None:
         """Save the iterations completed (:meth:`pet.checkpoint.Checkpointer.save_for_stop`: through
         CheckpointHook's schedule when there is one, else ``model_iter{N}.pth`` in CKPT, so a stopped run can
         always resume) and raise :class:`TrainingInterrupted` with ``exit_code``: one line, the reason, the
@@ -212,7 +231,7 @@ class IterationLoop(TrainLoop):
         super().__init__(data_loader, accum_steps)
         self.max_iter = max_iter
 
-    def _run_epochs(self, trainer: Trainer) -> None:
+    def _run_epochs(self, trainer: LoopTrainer) -> None:
         self.call_hooks(trainer, "before_epoch")
         self._batches = endless_batches(self.data_loader, trainer.start_iter * self.accum_steps)
         self._run_steps(trainer, self.max_iter)
@@ -233,7 +252,7 @@ class EpochLoop(TrainLoop):
         self.iters_per_epoch = batches // accum_steps
         self.max_iter = max_epochs * self.iters_per_epoch
 
-    def _run_epochs(self, trainer: Trainer) -> None:
+    def _run_epochs(self, trainer: LoopTrainer) -> None:
         skip = trainer.start_iter - trainer.epoch * self.iters_per_epoch
         while trainer.epoch < self.max_epochs and not trainer.stop_training:
             _set_sampler_epoch(self.data_loader, trainer.epoch)
@@ -244,7 +263,7 @@ class EpochLoop(TrainLoop):
             self.call_hooks(trainer, "after_epoch")
             trainer.epoch += 1
 
-    def hook_kwargs(self, trainer: Trainer) -> dict[str, int]:
+    def hook_kwargs(self, trainer: LoopTrainer) -> dict[str, int]:
         return {"epoch": trainer.epoch, "max_epochs": self.max_epochs}
 
     def ends_period(self, iteration: int, period: int) -> bool:
