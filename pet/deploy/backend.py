@@ -39,11 +39,8 @@ import torch
 from fvcore.common.config import CfgNode
 
 from pet.config import default_weights, load_cfg
-from pet.engine.build import prepare_model
 from pet.engine.inference import inference_precision
 from pet.engine.models import resolve_device
-from pet.engine.precision import choose_precision
-from pet.modeling import build_model
 from pet.utils.cpu import cpu_int8_support, cpu_native_support
 from pet.utils.errors import ConfigError
 from pet.utils.files import file_sha256
@@ -149,13 +146,10 @@ def choose_backend(cfg: CfgNode, available: Mapping[str, str], passed_over: Sequ
     """The fastest backend for this CPU among PyTorch and the ONNX files in ``available`` (``{"float32": path,
     "int8": path}``, e.g. :func:`exported_models`), by the ranking in the module docstring. ``passed_over``: why
     exports were left out of ``available``, which the reason then starts with. ``model``: the PyTorch model whose
-    precision is weighed (default: the config's, built here; its weights do not change the decision)."""
+    precision is weighed (default: the config's, built only if it has to be measured)."""
     device = resolve_device(cfg.DEVICE)
-    if model is None and device.type == "cpu":
-        model = prepare_model(build_model(cfg), cfg, device)
     # warn=False: an export may run instead; the PyTorch run warns about emulated bfloat16 itself if it is chosen.
-    pytorch = (inference_precision(cfg, model, warn=False) if model is not None else
-               choose_precision(cfg.TEST.AMP.ENABLED, cfg.TEST.AMP.DTYPE, device, training=False, key="TEST.AMP"))
+    pytorch = inference_precision(cfg, model, warn=False)
     if device.type != "cpu":
         return BackendChoice("pytorch", "", pytorch.name, f"DEVICE {cfg.DEVICE} runs on {device.type}; the exports "
                                                           "run on the CPU")

@@ -36,16 +36,14 @@ from pet.engine.hooks import (
     TrainHook,
     get_priority,
 )
-from pet.engine.models import default_model_builder, resolve_device
+from pet.engine.models import default_model_builder, prepare_model
 from pet.utils import comm
-from pet.utils.compile import compile_submodules
 from pet.utils.errors import ConfigError
 from pet.utils.model_summary import log_model_summary
 from pet.utils.registry import build_from_spec
 
 __all__ = [
     "DEFAULT_TRAIN_HOOKS",
-    "prepare_model",
     "build_test_model",
     "build_train_hooks",
     "build_custom_hooks",
@@ -71,14 +69,6 @@ DEFAULT_TRAIN_HOOKS: tuple[type[TrainHook], ...] = (
     ProfilerHook,
     PeriodicWriter,
 )
-
-
-def prepare_model(model: torch.nn.Module, cfg: CfgNode, device: torch.device | None = None) -> torch.nn.Module:
-    """``model`` (from :func:`pet.modeling.build_model`, or the caller's) on ``device`` (default:
-    ``DEVICE``) with ``MODEL.COMPILE`` applied."""
-    model.to(device if device is not None else resolve_device(cfg.DEVICE))
-    compile_submodules(model, cfg.MODEL.COMPILE)
-    return model
 
 
 def build_test_model(cfg: CfgNode, *, weights: str = "", unsafe: bool = False,

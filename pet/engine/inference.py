@@ -20,9 +20,16 @@ from pet.data.synthetic import synthetic_batch
 from pet.data.workers import watched
 from pet.engine.inference_timer import InferenceTimer
 from pet.engine.metrics import flatten_metrics
-from pet.engine.models import call_model, default_evaluator_builder, model_device
+from pet.engine.models import (
+    call_model,
+    default_evaluator_builder,
+    default_model_builder,
+    model_device,
+    prepare_model,
+    resolve_device,
+)
 from pet.engine.precision import Precision, choose_precision
-from pet.engine.speed_probe import model_probe
+from pet.engine.speed_probe import SpeedProbe, model_probe
 from pet.utils import comm
 from pet.utils.rng import get_rng_state, set_rng_state
 from pet.utils.tensor import move_to_device
@@ -165,12 +172,18 @@ def validation_loss(model: torch.nn.Module, data_loader: Iterable[Any], precisio
     return comm.reduce_scalars({name: value / max(batches, 1) for name, value in sums.items()})
 
 
-def inference_precision(cfg: CfgNode, model: torch.nn.Module, *, warn: bool = True) -> Precision:
+def inference_precision(cfg: CfgNode, model: torch.nn.Module | None = None, *, warn: bool = True) -> Precision:
     """Inference precision of ``model`` from ``TEST.AMP`` (the rule of :mod:`pet.engine.precision`; where it has to
-    measure, a no-grad forward on a generated test batch of ``cfg``'s shape)."""
-    return choose_precision(cfg.TEST.AMP.ENABLED, cfg.TEST.AMP.DTYPE, model_device(model), training=False,
-                            key="TEST.AMP", warn=warn,
-                            probe=lambda: model_probe(model, synthetic_batch(cfg, training=False), training=False))
+    measure, a no-grad forward on a generated test batch of ``cfg``'s shape). Without ``model``: the config's
+    model on ``DEVICE``, built only if it has to be measured (its weights do not change the decision)."""
+    device = model_device(model) if model is not None else resolve_device(cfg.DEVICE)
+
+    def probe() -> SpeedProbe:
+        timed = model if model is not None else prepare_model(default_model_builder()(cfg), cfg, device)
+        return model_probe(timed, synthetic_batch(cfg, training=False), training=False)
+
+    return choose_precision(cfg.TEST.AMP.ENABLED, cfg.TEST.AMP.DTYPE, device, training=False, key="TEST.AMP",
+                            warn=warn, probe=probe)
 
 
 def evaluate_on_datasets(

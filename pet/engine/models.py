@@ -22,6 +22,7 @@ import torch
 from fvcore.common.config import CfgNode
 
 from pet.utils.comm import unwrap_model
+from pet.utils.compile import compile_submodules
 from pet.utils.errors import TrainingError
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "register_default_builders",
     "default_model_builder",
     "default_evaluator_builder",
+    "prepare_model",
     "resolve_device",
     "model_device",
     "unwrap_model",
@@ -67,6 +69,14 @@ def _default_builder(kind: str) -> Callable[..., Any]:
         raise TrainingError(f"No default {kind} builder yet: the engine was used before pet/__init__.py "
                             f"registered pet's builders (register_default_builders)")
     return _DEFAULT_BUILDERS[kind]
+
+
+def prepare_model(model: torch.nn.Module, cfg: CfgNode, device: torch.device | None = None) -> torch.nn.Module:
+    """``model`` (from :func:`pet.modeling.build_model`, or the caller's) on ``device`` (default:
+    ``DEVICE``) with ``MODEL.COMPILE`` applied."""
+    model.to(device if device is not None else resolve_device(cfg.DEVICE))
+    compile_submodules(model, cfg.MODEL.COMPILE)
+    return model
 
 
 def resolve_device(name: str) -> torch.device:

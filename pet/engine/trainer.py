@@ -24,11 +24,11 @@ from fvcore.common.config import CfgNode
 from pet.checkpoint import Checkpointer
 from pet.data import build_train_loader
 from pet.data.synthetic import synthetic_batch
-from pet.engine.build import build_train_hooks, prepare_model
+from pet.engine.build import build_train_hooks
 from pet.engine.events import EventStorage
 from pet.engine.hooks.base import HookList, TrainHook
 from pet.engine.loops import TrainLoop, build_loop
-from pet.engine.models import default_model_builder, resolve_device, unwrap_model
+from pet.engine.models import default_model_builder, prepare_model, resolve_device, unwrap_model
 from pet.engine.optim import build_lr_scheduler, build_optimizer
 from pet.engine.precision import choose_precision
 from pet.engine.speed_probe import SpeedProbe, model_probe

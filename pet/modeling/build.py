@@ -21,7 +21,7 @@ META_ARCH_REGISTRY.__doc__ = "Detector classes by name, for MODEL.META_ARCHITECT
 def build_model(cfg: CfgNode) -> torch.nn.Module:
     """The detector named by ``MODEL.META_ARCHITECTURE``, built from ``cfg``, on the CPU.
 
-    :func:`pet.engine.build.prepare_model` then places it on ``DEVICE`` for a run.
+    :func:`pet.engine.models.prepare_model` then places it on ``DEVICE`` for a run.
     """
     model: Any = META_ARCH_REGISTRY.get(cfg.MODEL.META_ARCHITECTURE)(cfg)
     return model
