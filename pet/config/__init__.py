@@ -108,7 +108,7 @@ def _opts_as_dict(opts: Sequence[str]) -> dict[str, Any]:
 def _with_new_names(tree: dict, source: str) -> dict:
     """``tree`` with each old key of ``RENAMED_KEYS`` moved to its new name, one warning per old key.
 
-    A renamed section moves whole (``HOOKS.PRECISE_BN`` -> ``HOOKS.PRECISE_BN``). Renaming happens per
+    A renamed section moves whole (``TEST.PRECISE_BN`` -> ``HOOKS.PRECISE_BN``). Renaming happens per
     file, before a file is merged over its ``_BASE_``, so an old key in a user's file still overrides
     the new key of a shipped base it inherits.
     """
