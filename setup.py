@@ -20,7 +20,8 @@ _OPTIONAL = {
 }
 _EXTRAS = {
     **_OPTIONAL,
-    "test": ["pytest>=7", "ruff"] + [req for reqs in _OPTIONAL.values() for req in reqs],
+    # pytest-xdist: tests run one thread each, so one worker per core (pytest.ini) halves the suite on 2 cores.
+    "test": ["pytest>=7", "pytest-xdist>=3.5", "ruff"] + [req for reqs in _OPTIONAL.values() for req in reqs],
 }
 
 setup(

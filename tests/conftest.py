@@ -30,6 +30,16 @@ torch.set_num_threads(1)
 os.environ["PET_CACHE_DIR"] = tempfile.mkdtemp(prefix="pet-cache-")
 
 
+# Tests run one thread each (above), so pytest.ini's ``-n auto`` runs one xdist worker per core. Past 4 workers the
+# suite's few long files set the pace and every worker adds its own copy of the session fixtures and ~2 GB.
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_WORKERS, cores))
+
+
 class ToyModel(torch.nn.Module):
     """Linear regression with a BatchNorm, returning a loss dict like a detector."""
 
