@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import os
 import statistics
 
@@ -69,9 +70,10 @@ def main() -> None:
     for group, group_rows in rows.items():
         cells = []
         for key in ("AP", "AP50", "AP75", "AP90", "s/iter"):
-            values = [r[key] for r in group_rows]
-            spread = f" ± {statistics.stdev(values):.{2 if key == 's/iter' else 1}f}" if len(values) > 1 else ""
-            cells.append(f"{statistics.mean(values):.{2 if key == 's/iter' else 1}f}{spread}")
+            values = [r[key] for r in group_rows if math.isfinite(r[key])]  # a run without metrics.json: no s/iter
+            digits = 2 if key == "s/iter" else 1
+            spread = f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else ""
+            cells.append(f"{statistics.mean(values):.{digits}f}{spread}" if values else "n/a")
         print(f"| {group} | mean of {len(group_rows)} | " + " | ".join(cells) + " |")
 
 
