@@ -94,7 +94,7 @@ _C.INPUT.CROP.MIN_VISIBLE = 0.5
 # ---------------------------------------------------------------------------------------
 _C.MODEL = CN()
 # Registered name of the detector (see pet.modeling.META_ARCH_REGISTRY): FasterRCNN, MaskRCNN,
-# RetinaNet, FCOS or your own.
+# CascadeRCNN, CascadeMaskRCNN, RetinaNet, FCOS or your own.
 _C.MODEL.META_ARCHITECTURE = "FasterRCNN"
 # Number of object classes, background excluded: the class head has NUM_CLASSES + 1 rows (row 0 is
 # background; RetinaNet/FCOS have NUM_CLASSES + 1 sigmoid outputs, output 0 never used).
@@ -187,6 +187,15 @@ _C.MODEL.ROI_BOX_HEAD.MLP_DIM = 1024
 # RoIAlign output size (S x S) and samples per bin (0: adaptive, as many as the bin covers).
 _C.MODEL.ROI_BOX_HEAD.POOLER_RESOLUTION = 7
 _C.MODEL.ROI_BOX_HEAD.POOLER_SAMPLING_RATIO = 2
+
+# Cascade R-CNN's box stages (CascadeRCNN, CascadeMaskRCNN; pet/modeling/cascade_roi_heads.py): one entry per
+# stage in each list, as detectron2 names them. Stage k is trained on the previous stage's boxes, foreground at
+# IOUS[k] (stage 1 samples the RPN's proposals at IOUS[0] instead of ROI_HEADS.FG_IOU_THRESH), and decodes its
+# class-agnostic box deltas with BBOX_REG_WEIGHTS[k] (wx, wy, ww, wh). Each stage has its own ROI_BOX_HEAD.
+_C.MODEL.ROI_BOX_CASCADE_HEAD = CN()
+_C.MODEL.ROI_BOX_CASCADE_HEAD.IOUS = (0.5, 0.6, 0.7)
+_C.MODEL.ROI_BOX_CASCADE_HEAD.BBOX_REG_WEIGHTS = (
+    (10.0, 10.0, 5.0, 5.0), (20.0, 20.0, 10.0, 10.0), (30.0, 30.0, 15.0, 15.0))
 
 # Mask branch of MaskRCNN (torchvision's maskrcnn_resnet50_fpn with these defaults).
 _C.MODEL.ROI_MASK_HEAD = CN()

@@ -15,9 +15,9 @@ detections of the whole batch, grouped by image in batch order, by decreasing sc
   its ``image_size``. :func:`pet.modeling.postprocess.detections_to_original` maps them to the original
   image (:class:`pet.deploy.onnxruntime_model.OnnxRuntimeModel` does);
 - ``scores`` float32 ``[N]``; ``labels`` int64 ``[N]`` (1..NUM_CLASSES); ``image_index`` int64 ``[N]``;
-- Mask R-CNN only: ``masks`` float32 ``[N, 1, M, M]``, each detection's mask probabilities for its class
-  (``M`` = 2 x ``MODEL.ROI_MASK_HEAD.POOLER_RESOLUTION``, 28 by default), to be pasted into its box
-  (:func:`pet.modeling.postprocess.paste_masks`).
+- Mask R-CNN and Cascade Mask R-CNN only: ``masks`` float32 ``[N, 1, M, M]``, each detection's mask
+  probabilities for its class (``M`` = 2 x ``MODEL.ROI_MASK_HEAD.POOLER_RESOLUTION``, 28 by default), to be
+  pasted into its box (:func:`pet.modeling.postprocess.paste_masks`).
 
 For the same input the detections are the PyTorch model's up to float rounding: thresholds, top-k and
 caps are applied in the same order and with the same comparisons (``>`` or ``>=``) as torchvision's code.
@@ -32,9 +32,9 @@ from torch import Tensor
 from torchvision.ops import nms, roi_align
 from torchvision.ops.poolers import MultiScaleRoIAlign, _setup_scales
 
-from pet.modeling import FCOS, FasterRCNN, RetinaNet
+from pet.modeling import FCOS, CascadeRCNN, FasterRCNN, RetinaNet
 
-__all__ = ["DetectorGraph", "TwoStageGraph", "OneStageGraph", "build_graph"]
+__all__ = ["DetectorGraph", "TwoStageGraph", "CascadeGraph", "OneStageGraph", "build_graph"]
 
 
 class DetectorGraph(torch.nn.Module):
@@ -59,7 +59,8 @@ class DetectorGraph(torch.nn.Module):
 
 
 class TwoStageGraph(DetectorGraph):
-    """Faster R-CNN and Mask R-CNN: the RPN's proposals, then the RoI heads, batched."""
+    """Faster R-CNN and Mask R-CNN: the RPN's proposals, then the RoI heads, batched. ``box_predictions`` is the
+    box branch (the cascade's in :class:`CascadeGraph`), ``detections`` the post-processing they share."""
 
     def __init__(self, model: FasterRCNN, example_features: dict[str, Tensor],
                  example_sizes: list[tuple[int, int]]) -> None:
@@ -116,19 +117,16 @@ class TwoStageGraph(DetectorGraph):
         """Boxes, scores, labels and image index, as torchvision's RoIHeads ``postprocess_detections`` selects
         them: every (RoI, class) above ``SCORE_THRESH_TEST``, clipped, empty ones dropped, NMS per class, the
         ``DETECTIONS_PER_IMAGE`` best of each image."""
-        heads = self.roi_heads
-        class_logits, box_regression = heads.box_predictor(heads.box_head(self.box_pooler(features, rois)))
-        num_rois, num_classes = class_logits.shape
+        boxes, scores = self.box_predictions(features, rois, image_sizes)
+        num_rois, num_classes = scores.shape
         roi_image = rois[:, 0].to(torch.int64)
-        boxes = heads.box_coder.decode_single(box_regression, rois[:, 1:]).view(num_rois, num_classes, 4)
-        boxes = clip_to_images(boxes, image_sizes[roi_image])
-        scores = torch.softmax(class_logits, -1)
         labels = torch.arange(num_classes, device=boxes.device)[None].expand(num_rois, -1)
 
         # Every (RoI, class) but the background is a candidate.
         boxes = boxes[:, 1:].reshape(-1, 4)
         scores, labels = scores[:, 1:].reshape(-1), labels[:, 1:].reshape(-1)
         image_index = roi_image[:, None].expand(-1, num_classes - 1).reshape(-1)
+        heads = self.roi_heads
         valid = scores > heads.score_thresh
         boxes, scores, labels, image_index = boxes[valid], scores[valid], labels[valid], image_index[valid]
         widths, heights = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
@@ -138,12 +136,39 @@ class TwoStageGraph(DetectorGraph):
                              heads.nms_thresh, heads.detections_per_img)
         return boxes[keep], scores[keep], labels[keep], image_index[keep]
 
+    def box_predictions(self, features: dict[str, Tensor], rois: Tensor, image_sizes: Tensor) -> tuple[Tensor, Tensor]:
+        """Each RoI's box per class ``[R, K+1, 4]``, clipped to its image, and class probabilities ``[R, K+1]``."""
+        heads = self.roi_heads
+        class_logits, box_regression = heads.box_predictor(heads.box_head(self.box_pooler(features, rois)))
+        num_rois, num_classes = class_logits.shape
+        boxes = heads.box_coder.decode_single(box_regression, rois[:, 1:]).view(num_rois, num_classes, 4)
+        return clip_to_images(boxes, image_sizes[rois[:, 0].to(torch.int64)]), torch.softmax(class_logits, -1)
+
     def masks(self, features: dict[str, Tensor], boxes: Tensor, labels: Tensor, image_index: Tensor) -> Tensor:
         """Each detection's mask probabilities for its class, ``[N, 1, M, M]``: torchvision's ``maskrcnn_inference``."""
         heads = self.roi_heads
         rois = torch.cat([image_index[:, None].to(boxes.dtype), boxes], dim=1)
         logits = heads.mask_predictor(heads.mask_head(self.mask_pooler(features, rois)))
         return logits.sigmoid()[torch.arange(labels.shape[0], device=labels.device), labels][:, None]
+
+
+class CascadeGraph(TwoStageGraph):
+    """Cascade (Mask) R-CNN: the RPN's proposals through every box stage, batched, as
+    :class:`pet.modeling.cascade_roi_heads.CascadeRoIHeads` runs them in eval mode."""
+
+    def box_predictions(self, features: dict[str, Tensor], rois: Tensor, image_sizes: Tensor) -> tuple[Tensor, Tensor]:
+        """The last stage's class-agnostic box ``[R, K+1, 4]`` (the same for every class) and the mean of the
+        stages' class probabilities ``[R, K+1]``; each stage regresses the previous stage's clipped boxes."""
+        heads = self.roi_heads
+        roi_image = rois[:, 0:1]
+        roi_sizes = image_sizes[rois[:, 0].to(torch.int64)]
+        boxes, total = rois[:, 1:], None
+        for head, predictor, coder in zip(heads.box_head, heads.box_predictor, heads.stage_coders):
+            class_logits, deltas = predictor(head(self.box_pooler(features, torch.cat([roi_image, boxes], dim=1))))
+            probabilities = torch.softmax(class_logits, -1)
+            total = probabilities if total is None else total + probabilities
+            boxes = clip_to_images(coder.decode_single(deltas, boxes)[:, None], roi_sizes)[:, 0]
+        return boxes[:, None].expand(-1, total.shape[1], -1), total / heads.num_stages
 
 
 class OneStageGraph(DetectorGraph):
@@ -295,7 +320,8 @@ def nms_per_image(boxes: Tensor, scores: Tensor, groups: Tensor, image_index: Te
 
 
 def build_graph(model: torch.nn.Module, example_images: Tensor, example_sizes: list[tuple[int, int]]) -> DetectorGraph:
-    """The batched graph of ``model``, a Pet FasterRCNN, MaskRCNN, RetinaNet or FCOS (or a subclass), in eval mode.
+    """The batched graph of ``model``, a Pet FasterRCNN, MaskRCNN, CascadeRCNN, CascadeMaskRCNN, RetinaNet or FCOS
+    (or a subclass), in eval mode.
 
     ``example_images`` and ``example_sizes`` (a batch as the test loader gives it) fix what torchvision infers on
     its first call: the RoI poolers' feature-map scales.
@@ -304,7 +330,8 @@ def build_graph(model: torch.nn.Module, example_images: Tensor, example_sizes: l
     if isinstance(model, FasterRCNN):
         with torch.no_grad():
             features = model.backbone(model.normalizer(example_images, example_sizes))
-        return TwoStageGraph(model, features, example_sizes).eval()
+        graph = CascadeGraph if isinstance(model, CascadeRCNN) else TwoStageGraph
+        return graph(model, features, example_sizes).eval()
     if isinstance(model, (RetinaNet, FCOS)):
         return OneStageGraph(model).eval()
     raise TypeError(f"{type(model).__name__} is not one of Pet's exportable detectors (FasterRCNN, MaskRCNN, "

@@ -9,6 +9,7 @@ RoI box or mask head, or one-stage dense head, register it in the matching regis
 from pet.modeling import registry
 from pet.modeling.backbone import build_backbone
 from pet.modeling.build import build_model
+from pet.modeling.cascade_rcnn import CascadeMaskRCNN, CascadeRCNN
 from pet.modeling.faster_rcnn import FasterRCNN
 from pet.modeling.fcos import FCOS
 from pet.modeling.mask_rcnn import MaskRCNN
@@ -24,6 +25,8 @@ __all__ = [
     "MaskRCNN",
     "RetinaNet",
     "FCOS",
+    "CascadeRCNN",
+    "CascadeMaskRCNN",
 ]
 __all__ += registry.__all__
 

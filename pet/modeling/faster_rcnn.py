@@ -42,6 +42,9 @@ class FasterRCNN(torch.nn.Module):
     # state_dict prefixes of the parameters whose shapes follow MODEL.NUM_CLASSES: weights for another number
     # of classes re-initialise them when fine-tuning (pet.checkpoint.load_weights).
     class_dependent_prefixes: tuple[str, ...] = ("roi_heads.box_predictor.",)
+    # Builds roi_heads: (cfg, in_channels, featmap_names, mask=mask_on) -> module called as torchvision's RoIHeads
+    # (CascadeRCNN swaps in its cascade).
+    roi_heads_builder = staticmethod(build_roi_heads)
 
     def __init__(self, cfg: CfgNode) -> None:
         super().__init__()
@@ -51,7 +54,7 @@ class FasterRCNN(torch.nn.Module):
         channels = self.backbone.out_channels
         self.rpn = build_rpn(cfg, channels, num_fpn_levels(cfg))
         featmap_names = [str(i) for i in range(len(cfg.MODEL.FPN.RETURNED_LAYERS))]
-        self.roi_heads = build_roi_heads(cfg, channels, featmap_names, mask=self.mask_on)
+        self.roi_heads = self.roi_heads_builder(cfg, channels, featmap_names, mask=self.mask_on)
         if cfg.MODEL.CHANNELS_LAST:
             self.to(memory_format=torch.channels_last)
 

@@ -33,6 +33,6 @@ class MaskRCNN(FasterRCNN):
 
     def __init__(self, cfg: CfgNode) -> None:
         if not cfg.MODEL.MASK_ON:
-            raise ConfigError("MODEL.META_ARCHITECTURE MaskRCNN needs MODEL.MASK_ON True, so that training "
-                              "samples carry the instance masks it learns from.")
+            raise ConfigError(f"MODEL.META_ARCHITECTURE {type(self).__name__} needs MODEL.MASK_ON True, so that "
+                              "training samples carry the instance masks it learns from.")
         super().__init__(cfg)
