@@ -42,7 +42,8 @@ class DatasetSpec:
     a CSV file), ``image_root`` the folder image paths are relative to (COCO and CSV), ``split``
     the YOLO / VOC split, ``classes`` the fixed class list (empty: the format's own), ``columns``
     the CSV column names. ``categories`` (if any) gives the categories ``{id: name}`` without
-    reading ``path`` (the built-in datasets' are known).
+    reading ``path`` (the built-in datasets' are known). ``oks_sigmas`` replaces a keypoint set's OKS
+    sigmas (:mod:`pet.data.keypoints`).
     """
 
     name: str
@@ -54,6 +55,7 @@ class DatasetSpec:
     classes: tuple[str, ...] = ()
     columns: tuple[tuple[str, str], ...] = ()
     categories: Callable[[], dict[int, str]] | None = None
+    oks_sigmas: tuple[float, ...] = ()
 
 
 def data_root() -> str:
@@ -114,6 +116,7 @@ def register_dataset(
     split: str = "",
     classes: Sequence[str] = (),
     columns: Mapping[str, str] | None = None,
+    oks_sigmas: Sequence[float] = (),
 ) -> None:
     """Make a dataset of any format available by ``name``: the Python form of a ``DATA.CUSTOM`` entry.
 
@@ -122,8 +125,9 @@ def register_dataset(
     (``path``: the root holding Annotations/, JPEGImages/, ImageSets/Main/; ``split``: the
     ImageSets name) or ``csv`` (``path``: the CSV file, ``images``: the folder its image paths are
     relative to, default the CSV's folder; ``columns``: header names per role). ``classes`` fixes
-    the class list and its order (ids 1..K). Paths resolve as in :func:`register_coco_dataset`;
-    registering the same name again with the same arguments is a no-op.
+    the class list and its order (ids 1..K); ``oks_sigmas`` (one per keypoint) scores a keypoint set's
+    points. Paths resolve as in :func:`register_coco_dataset`; registering the same name again with the same
+    arguments is a no-op.
     """
     if format not in FORMATS:
         raise ConfigError(f"Dataset '{name}': unknown format '{format}'; use one of {list(FORMATS)}.")
@@ -139,6 +143,7 @@ def register_dataset(
         name, _resolve(path), _resolve(images) if images else "", format=format, split=str(split),
         classes=tuple(check_class_names(classes, f"dataset '{name}'")) if classes else (),
         columns=tuple(sorted((str(k), str(v)) for k, v in (columns or {}).items())),
+        oks_sigmas=_sigmas(oks_sigmas, name),
     )
     if name in _BUILTIN:
         raise ConfigError(f"'{name}' is a built-in dataset name; register your dataset under another name "
@@ -157,11 +162,19 @@ _ENTRY_HELP = {
     "voc": "{name: ..., format: voc, path: VOC root, split: train|val|trainval|test}",
     "csv": "{name: ..., format: csv, path: boxes.csv, images: image folder}",
 }
-_ENTRY_KEYS = {"name", "format", "path", "json", "images", "split", "classes", "columns"}
+_ENTRY_KEYS = {"name", "format", "path", "json", "images", "split", "classes", "columns", "oks_sigmas"}
+
+
+def _sigmas(values: Sequence[float], name: str) -> tuple[float, ...]:
+    if isinstance(values, str) or not isinstance(values, Sequence) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise ConfigError(f"Dataset '{name}': `oks_sigmas` must be a list of numbers, one per keypoint, got "
+                          f"{values!r}.")
+    return tuple(float(v) for v in values)
 
 
 def register_custom_datasets(cfg: CfgNode) -> None:
-    """Register every ``DATA.CUSTOM`` entry ``{name, format, path, images, split, classes}`` (see
+    """Register every ``DATA.CUSTOM`` entry ``{name, format, path, images, split, classes, oks_sigmas}`` (see
     :func:`register_dataset`; ``json``, the old name of a COCO entry's ``path``, loads with a warning until 0.3.0)."""
     for i, entry in enumerate(cfg.DATA.CUSTOM):
         if not isinstance(entry, Mapping):
@@ -189,7 +202,7 @@ def register_custom_datasets(cfg: CfgNode) -> None:
         try:
             register_dataset(str(fields["name"]), str(fields.get("path") or fields.get("json") or ""),
                              str(fields.get("images") or ""), format=fmt, split=str(fields.get("split") or ""),
-                             classes=list(classes), columns=columns)
+                             classes=list(classes), columns=columns, oks_sigmas=fields.get("oks_sigmas") or ())
         except (ConfigError, DataError) as exc:
             raise ConfigError(f"DATA.CUSTOM[{i}]: {exc}") from None
 
@@ -237,12 +250,14 @@ def get_dataset(name: str, *, strict: bool = False) -> COCODataset:
 def _load(spec: DatasetSpec, strict: bool) -> tuple[COCODataset, tuple[str, ...]]:
     """The dataset and the files it was read from."""
     if spec.format == "coco":
-        dataset = load_coco_json(spec.path, spec.image_root, spec.name, strict=strict, classes=spec.classes)
+        dataset = load_coco_json(spec.path, spec.image_root, spec.name, strict=strict, classes=spec.classes,
+                                 oks_sigmas=spec.oks_sigmas)
         return dataset, (spec.path,)
     read = read_annotations(spec.format, spec.path, images=spec.image_root, split=spec.split,
                             classes=spec.classes, columns=dict(spec.columns))
     dataset = build_coco_dataset(read.coco, spec.path, read.image_root, spec.name, strict=strict,
-                                 origins=read.origins, format=spec.format)
+                                 origins=read.origins, format=spec.format, keypoint_meta=read.keypoint_meta,
+                                 oks_sigmas=spec.oks_sigmas)
     return dataset, tuple(dict.fromkeys((spec.path, *read.label_files)))
 
 
