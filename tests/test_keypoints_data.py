@@ -2,7 +2,10 @@
 skeleton and OKS sigmas; transforms that move and renumber points; the one-line errors of bad keypoint data."""
 from __future__ import annotations
 
+import json
+import os
 import re
+import uuid
 
 import cv2
 import numpy as np
@@ -13,6 +16,8 @@ from pet.data import build_train_loader, get_dataset
 from pet.data.catalog import register_custom_datasets, register_dataset
 from pet.data.formats import read_yolo
 from pet.data.keypoints import COCO_OKS_SIGMAS, COCO_PERSON_KEYPOINTS, COCO_PERSON_SKELETON, DEFAULT_OKS_SIGMA
+from pet.data.shapes import SHAPE_CLASSES
+from pet.data.shapes_keypoints import SHAPE_KEYPOINTS, generate_shapes_keypoints
 from pet.data.transforms import CropTransform, HFlipTransform, ResizeTransform, TransformList
 from pet.utils.errors import ConfigError, DataError
 
@@ -232,3 +237,38 @@ def test_the_training_loader_flips_points_by_the_sets_map_and_unlabels_points_a_
         assert (points[~inside, 2] == 0).all() and (points[inside, 2] > 0).all()
         cut += int((~inside).any())
     assert cut  # some crop cut some point off
+
+
+# --------------------------------------------------------------------------- the shapes keypoint set
+
+
+def test_the_shapes_keypoint_set_labels_the_corners_of_the_demo_sets_own_objects(shapes_root, tmp_path):
+    """Same images and boxes as the demo set; a rectangle's 4 corners and a triangle's 3 vertices, on the box
+    edges where nothing hides them; circles have none; the names give the left <-> right flip map."""
+    root = generate_shapes_keypoints(str(tmp_path / "shapes_kp"), shapes_root)
+    with open(os.path.join(shapes_root, "annotations", "train.json")) as f:
+        demo = json.load(f)
+    with open(os.path.join(root, "annotations", "train.json")) as f:
+        kp = json.load(f)
+    assert kp["images"] == demo["images"]
+    assert [{k: a[k] for k in ("id", "bbox", "category_id")} for a in kp["annotations"]] == \
+        [{k: a[k] for k in ("id", "bbox", "category_id")} for a in demo["annotations"]]
+    for ann in kp["annotations"]:
+        points = np.array(ann["keypoints"]).reshape(7, 3)
+        x, y, w, h = ann["bbox"]
+        name = SHAPE_CLASSES[ann["category_id"] - 1]
+        labelled = {"circle": [], "rectangle": [0, 1, 2, 3], "triangle": [4, 5, 6]}[name]
+        assert np.flatnonzero(points[:, 2]).tolist() == labelled
+        assert ann["num_keypoints"] == len(labelled)
+        visible = points[points[:, 2] == 2]
+        assert ((visible[:, 0] >= x - 1) & (visible[:, 0] <= x + w + 1) & (visible[:, 1] >= y - 1)
+                & (visible[:, 1] <= y + h + 1)).all()  # a vertex is on its outline, within a pixel of its box
+        if name == "rectangle" and (points[:4, 2] == 2).all():  # whole: its corners are its box's
+            np.testing.assert_allclose(points[:4, :2], [[x, y], [x + w - 1, y], [x + w - 1, y + h - 1],
+                                                        [x, y + h - 1]], atol=1)
+        if name == "triangle":
+            assert points[4, 1] <= points[5:7, 1].min() and points[5, 0] <= points[6, 0]
+    name = f"kp_shapes_{uuid.uuid4().hex[:8]}"
+    register_dataset(name, os.path.join(root, "annotations", "val.json"), os.path.join(shapes_root, "val"))
+    meta = get_dataset(name).keypoint_meta
+    assert meta.names == SHAPE_KEYPOINTS and list(meta.flip_map) == [1, 0, 3, 2, 4, 6, 5]

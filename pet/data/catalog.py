@@ -22,6 +22,7 @@ from pet.data.coco_json import COCODataset, build_coco_dataset, load_coco_json, 
 from pet.data.formats import FORMATS, read_annotations
 from pet.data.formats.common import check_class_names
 from pet.data.shapes import SHAPE_CLASSES, generate_shapes
+from pet.data.shapes_keypoints import SHAPES_OKS_SIGMAS, prepare_shapes_keypoints
 from pet.utils.errors import ConfigError, DataError
 
 __all__ = [
@@ -75,6 +76,20 @@ def _shapes(split: str) -> Callable[[str], DatasetSpec]:
     return spec
 
 
+def _shapes_keypoints(split: str) -> Callable[[str], DatasetSpec]:
+    """The demo set's images with the corners of its shapes as keypoints (:mod:`pet.data.shapes_keypoints`)."""
+    def spec(root: str) -> DatasetSpec:
+        shapes_root, kp_root = os.path.join(root, "shapes"), os.path.join(root, "shapes_kp")
+        return DatasetSpec(
+            f"shapes_kp_{split}", os.path.join(kp_root, "annotations", f"{split}.json"),
+            os.path.join(shapes_root, split),
+            prepare=functools.partial(prepare_shapes_keypoints, kp_root, shapes_root),
+            categories=lambda: {i + 1: name for i, name in enumerate(SHAPE_CLASSES)}, oks_sigmas=SHAPES_OKS_SIGMAS,
+        )
+
+    return spec
+
+
 def _coco(split: str) -> Callable[[str], DatasetSpec]:
     def spec(root: str) -> DatasetSpec:
         coco_root = os.path.join(root, "coco")
@@ -86,12 +101,28 @@ def _coco(split: str) -> Callable[[str], DatasetSpec]:
     return spec
 
 
+def _coco_keypoints(split: str) -> Callable[[str], DatasetSpec]:
+    def spec(root: str) -> DatasetSpec:
+        coco_root = os.path.join(root, "coco")
+        annotations = os.path.join(coco_root, "annotations", f"person_keypoints_{split}2017.json")
+        return DatasetSpec(
+            f"keypoints_coco_2017_{split}", annotations, os.path.join(coco_root, f"{split}2017"),
+            categories=lambda: {1: "person"},
+        )
+
+    return spec
+
+
 # Built-ins resolve their paths at look-up time, so PET_DATA_ROOT can be set after import.
 _BUILTIN: dict[str, Callable[[str], DatasetSpec]] = {
     "shapes_train": _shapes("train"),
     "shapes_val": _shapes("val"),
+    "shapes_kp_train": _shapes_keypoints("train"),
+    "shapes_kp_val": _shapes_keypoints("val"),
     "coco_2017_train": _coco("train"),
     "coco_2017_val": _coco("val"),
+    "keypoints_coco_2017_train": _coco_keypoints("train"),
+    "keypoints_coco_2017_val": _coco_keypoints("val"),
 }
 _REGISTERED: dict[str, DatasetSpec] = {}
 # (spec, strict) -> (dataset, the files it was read from, their stamp then): see get_dataset.

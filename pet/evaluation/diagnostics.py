@@ -1,6 +1,7 @@
 """What a COCO evaluation says about a detector's mistakes: PR curves, a confusion matrix, an error breakdown.
 
-:func:`write_diagnostics` writes, for one task (``bbox`` or ``segm``), next to ``bbox.json``:
+:func:`write_diagnostics` writes, for one task (``bbox`` or ``segm``; ``keypoints`` gets the PR curves
+alone, at OKS instead of IoU), next to ``bbox.json``:
 
 - ``{task}_pr_curves.png`` / ``.json``: per class, COCO's interpolated precision at its 101 recall
   points, at IoU 0.5 and averaged over IoU 0.5:0.95 (the mean of a curve is the class's AP50 / AP),
@@ -468,6 +469,8 @@ def write_diagnostics(
     paths written (module docstring).
     """
     os.makedirs(output_dir, exist_ok=True)
+    if iou_type == "keypoints":
+        return _write_pr_curves_only(output_dir, result, class_names, category_ids)
     matches = match_detections(coco_gt, results, iou_type, image_ids, category_ids, iou_threshold)
     curves = pr_curves(result, class_names, category_ids)
     matrix = confusion_matrix(matches, len(class_names), iou_threshold, score_threshold)
@@ -490,6 +493,19 @@ def write_diagnostics(
     logger.info(f"{iou_type} diagnostics (PR curves, confusion matrix, errors) written to {output_dir}: dAP "
                 + ", ".join(f"{k} {v:+.2f}" for k, v in errors.delta_ap.items()))
     return [f"{stem}_{name}.json" for name in ("pr_curves", "confusion_matrix", "errors")] + paths
+
+
+def _write_pr_curves_only(output_dir: str, result: COCOEvalResult, class_names: Sequence[str],
+                          category_ids: Sequence[int]) -> list[str]:
+    """The keypoint task's diagnostics: its PR curves at OKS 0.5 and averaged over OKS 0.5:0.95, from COCOeval's
+    own array. The confusion matrix and the error breakdown are about which box found which object, the same
+    detections' ``bbox_*`` files say that; per point they would need OKS matching, which they do not do."""
+    stem = os.path.join(output_dir, "keypoints")
+    curves = pr_curves(result, class_names, category_ids)
+    write_json_atomic(f"{stem}_pr_curves.json", {"iou_type": "keypoints", **curves})
+    path = plot_pr_curves(curves["classes"], curves["recall"], f"{stem}_pr_curves.png", title="keypoints (OKS)")
+    logger.info(f"keypoints diagnostics (PR curves) written to {output_dir}")
+    return [f"{stem}_pr_curves.json", path]
 
 
 def _finite_or_none(value: float) -> float | None:
