@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
 import torch
-from helpers import write_coco
+from helpers import ROOT, write_coco
 
+from pet.config import load_cfg
 from pet.data import get_dataset
+from pet.data.shapes_keypoints import generate_shapes_keypoints
+from pet.engine.inference import evaluate_on_datasets
+from pet.engine.trainer import Trainer
 from pet.evaluation import COCOEvaluator, evaluate_results_file
 from pet.evaluation.backends import KeypointTask, run_cocoeval
 
@@ -127,3 +132,26 @@ def test_the_evaluator_scores_keypoints_and_writes_them_flat_with_scores(tmp_pat
     assert (tmp_path / "out" / "keypoints_pr_curves.png").is_file()
     rescored = evaluate_results_file(dataset, str(tmp_path / "out" / "keypoints.json"), backend="faster")
     assert rescored["keypoints"]["AP"] == pytest.approx(100.0)
+
+
+def test_a_keypoint_rcnn_trains_on_the_shapes_corners_and_is_scored_on_them(tiny_set, tmp_path):
+    """Two training steps of the shipped shapes keypoint config on the tiny set's corners, then its test: the
+    targets carry the corners, and evaluation reports keypoint AP beside box AP and writes keypoints.json."""
+    kp_root = generate_shapes_keypoints(str(tmp_path / "kp"), tiny_set)
+    custom = [{"name": "kp_tiny_train", "path": f"{kp_root}/annotations/train.json", "images": f"{tiny_set}/train"},
+              {"name": "kp_tiny_val", "path": f"{kp_root}/annotations/val.json", "images": f"{tiny_set}/val"}]
+    cfg = load_cfg(os.path.join(ROOT, "cfgs", "shapes", "keypoint_rcnn_R-10-FPN.yaml"), [
+        "CKPT", str(tmp_path / "run"), "DATA.CUSTOM", str(custom), "TRAIN.DATASETS", "('kp_tiny_train',)",
+        "TEST.DATASETS", "('kp_tiny_val',)", "SOLVER.MAX_ITER", "2", "SOLVER.IMS_PER_BATCH", "2",
+        "DATA.NUM_WORKERS", "0", "HOOKS.EVAL.PERIOD", "0", "SOLVER.AMP.ENABLED", "False", "DEVICE", "cpu",
+        "MODEL.ROI_KEYPOINT_HEAD.CONV_DIMS", "[32]", "TEST.DIAGNOSTICS.ENABLED", "False",
+        "MODEL.FLOPS_INPUT_SIZE", "()", "TRAIN.AUTO_RESUME", "False"])
+    trainer = Trainer(cfg)
+    _, targets = next(iter(trainer.data_loader))
+    assert all(t["keypoints"].shape == (len(t["boxes"]), 7, 3) for t in targets)
+    trainer.train()
+    metrics = evaluate_on_datasets(cfg, trainer.model, str(tmp_path / "test"))
+    assert {"bbox/AP", "keypoints/AP", "keypoints/AP-rectangle", "keypoints/AP-triangle"} <= set(metrics)
+    assert "keypoints/AP-circle" not in metrics  # circles have no points to score
+    written = json.loads((tmp_path / "test" / "keypoints.json").read_text())
+    assert all(len(d["keypoints"]) == 21 and d["category_id"] in (2, 3) for d in written)
