@@ -14,6 +14,7 @@ from helpers import data_cfg, write_coco
 
 from pet.data import build_train_loader, get_dataset
 from pet.data.catalog import register_custom_datasets, register_dataset
+from pet.data.dataset import check_same_categories
 from pet.data.formats import read_yolo
 from pet.data.keypoints import COCO_OKS_SIGMAS, COCO_PERSON_KEYPOINTS, COCO_PERSON_SKELETON, DEFAULT_OKS_SIGMA
 from pet.data.shapes import SHAPE_CLASSES
@@ -272,3 +273,18 @@ def test_the_shapes_keypoint_set_labels_the_corners_of_the_demo_sets_own_objects
     register_dataset(name, os.path.join(root, "annotations", "val.json"), os.path.join(shapes_root, "val"))
     meta = get_dataset(name).keypoint_meta
     assert meta.names == SHAPE_KEYPOINTS and list(meta.flip_map) == [1, 0, 3, 2, 4, 6, 5]
+
+
+def test_sets_trained_together_must_name_the_same_points(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    corners, _, _ = _corner_set(tmp_path / "a")
+    person, _, _ = _person_set(tmp_path / "b", annotations=[])
+    with pytest.raises(DataError, match=r"have different keypoints: \('top_left', .*\) against \('nose', "):
+        check_same_categories([get_dataset(corners), _renamed(get_dataset(person), "box")])
+
+
+def _renamed(dataset, name):
+    """The dataset with its one category called ``name`` (so only the points differ)."""
+    dataset.categories = {1: name}
+    return dataset
