@@ -10,8 +10,9 @@ import uuid
 import cv2
 import numpy as np
 import pytest
-from helpers import data_cfg, write_coco
+from helpers import ROOT, data_cfg, write_coco
 
+from pet.config import load_cfg
 from pet.data import build_train_loader, get_dataset
 from pet.data.catalog import register_custom_datasets, register_dataset
 from pet.data.dataset import check_same_categories
@@ -19,7 +20,9 @@ from pet.data.formats import read_yolo
 from pet.data.keypoints import COCO_OKS_SIGMAS, COCO_PERSON_KEYPOINTS, COCO_PERSON_SKELETON, DEFAULT_OKS_SIGMA
 from pet.data.shapes import SHAPE_CLASSES
 from pet.data.shapes_keypoints import SHAPE_KEYPOINTS, generate_shapes_keypoints
+from pet.data.synthetic import synthetic_batch
 from pet.data.transforms import CropTransform, HFlipTransform, ResizeTransform, TransformList
+from pet.modeling import build_model
 from pet.utils.errors import ConfigError, DataError
 
 # torchvision's references/detection/transforms.py hard-codes this flip for COCO's person; Pet derives it from
@@ -288,3 +291,14 @@ def _renamed(dataset, name):
     """The dataset with its one category called ``name`` (so only the points differ)."""
     dataset.categories = {1: name}
     return dataset
+
+
+def test_the_synthetic_batch_of_a_keypoint_config_trains_a_keypoint_rcnn():
+    """The batch the precision probe times a model on (SOLVER.AMP.ENABLED auto) must suit a keypoint model:
+    without keypoints its training step fails and the probe falls back to float32."""
+    cfg = load_cfg(os.path.join(ROOT, "cfgs", "shapes", "keypoint_rcnn_R-10-FPN.yaml"),
+                   ["MODEL.ROI_KEYPOINT_HEAD.CONV_DIMS", "[16]", "SOLVER.IMS_PER_BATCH", "2", "DEVICE", "cpu"])
+    images, targets = synthetic_batch(cfg, training=True)
+    assert all(t["keypoints"].shape == (len(t["boxes"]), 7, 3) for t in targets)
+    model = build_model(cfg).train()
+    assert "loss_keypoint" in model(images, targets)
