@@ -469,22 +469,23 @@ def write_diagnostics(
     paths written (module docstring).
     """
     os.makedirs(output_dir, exist_ok=True)
-    if iou_type == "keypoints":
-        return _write_pr_curves_only(output_dir, result, class_names, category_ids)
-    matches = match_detections(coco_gt, results, iou_type, image_ids, category_ids, iou_threshold)
+    stem = os.path.join(output_dir, iou_type)
     curves = pr_curves(result, class_names, category_ids)
+    write_json_atomic(f"{stem}_pr_curves.json", {"iou_type": iou_type, **curves})
+    pr_png = plot_pr_curves(curves["classes"], curves["recall"], f"{stem}_pr_curves.png", title=iou_type)
+    if iou_type == "keypoints":  # matching by box or mask here: the boxes' files say which box found which object
+        return [f"{stem}_pr_curves.json", pr_png]
+    matches = match_detections(coco_gt, results, iou_type, image_ids, category_ids, iou_threshold)
     matrix = confusion_matrix(matches, len(class_names), iou_threshold, score_threshold)
     errors = error_breakdown(matches, len(class_names), iou_threshold, score_threshold)
     labels = [*class_names, "background"]
-    stem = os.path.join(output_dir, iou_type)
-    write_json_atomic(f"{stem}_pr_curves.json", {"iou_type": iou_type, **curves})
     write_json_atomic(f"{stem}_confusion_matrix.json", {
         "iou_type": iou_type, "iou_threshold": iou_threshold, "score_threshold": score_threshold,
         "rows": "ground truth", "columns": "prediction", "labels": labels, "matrix": matrix.tolist()})
     write_json_atomic(f"{stem}_errors.json", {"iou_type": iou_type, **errors.to_json()})
     title = f"{iou_type}, IoU {iou_threshold:g}"
     paths = [
-        plot_pr_curves(curves["classes"], curves["recall"], f"{stem}_pr_curves.png", title=iou_type),
+        pr_png,
         plot_confusion_matrix(matrix, labels, f"{stem}_confusion_matrix.png",
                               title=f"{title}, score >= {score_threshold:g}"),
         plot_error_breakdown(errors.delta_ap, errors.counts_at_score, f"{stem}_errors.png",
@@ -493,19 +494,6 @@ def write_diagnostics(
     logger.info(f"{iou_type} diagnostics (PR curves, confusion matrix, errors) written to {output_dir}: dAP "
                 + ", ".join(f"{k} {v:+.2f}" for k, v in errors.delta_ap.items()))
     return [f"{stem}_{name}.json" for name in ("pr_curves", "confusion_matrix", "errors")] + paths
-
-
-def _write_pr_curves_only(output_dir: str, result: COCOEvalResult, class_names: Sequence[str],
-                          category_ids: Sequence[int]) -> list[str]:
-    """The keypoint task's diagnostics: its PR curves at OKS 0.5 and averaged over OKS 0.5:0.95, from COCOeval's
-    own array. The confusion matrix and the error breakdown are about which box found which object, the same
-    detections' ``bbox_*`` files say that; per point they would need OKS matching, which they do not do."""
-    stem = os.path.join(output_dir, "keypoints")
-    curves = pr_curves(result, class_names, category_ids)
-    write_json_atomic(f"{stem}_pr_curves.json", {"iou_type": "keypoints", **curves})
-    path = plot_pr_curves(curves["classes"], curves["recall"], f"{stem}_pr_curves.png", title="keypoints (OKS)")
-    logger.info(f"keypoints diagnostics (PR curves) written to {output_dir}")
-    return [f"{stem}_pr_curves.json", path]
 
 
 def _finite_or_none(value: float) -> float | None:
