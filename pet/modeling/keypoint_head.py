@@ -12,13 +12,14 @@ from __future__ import annotations
 import torch
 from fvcore.common.config import CfgNode
 from torchvision.models.detection import keypoint_rcnn as tv_kprcnn
+from torchvision.models.detection.roi_heads import heatmaps_to_keypoints
 
 from pet.modeling.poolers import MultiScaleRoIAlign
 from pet.modeling.registry import ROI_KEYPOINT_HEAD_REGISTRY
 from pet.utils.errors import ConfigError
 from pet.utils.tensor import at_least_float32
 
-__all__ = ["KeypointRCNNHeads", "KeypointRCNNPredictor", "build_keypoint_branch"]
+__all__ = ["KeypointRCNNHeads", "KeypointRCNNPredictor", "build_keypoint_branch", "decode_heatmaps"]
 
 
 @ROI_KEYPOINT_HEAD_REGISTRY.register()
@@ -71,3 +72,10 @@ def build_keypoint_branch(cfg: CfgNode, in_channels: int, featmap_names: list[st
         "keypoint_head": head,
         "keypoint_predictor": KeypointRCNNPredictor(head.out_channels, head_cfg.NUM_KEYPOINTS),
     }
+
+
+def decode_heatmaps(heatmaps: torch.Tensor, boxes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keypoints float32 ``[N, K, 3]`` (x, y, 1) and their scores float32 ``[N, K]`` from heatmap logits
+    ``[N, K, H, H]`` of the detections ``boxes`` (XYXY, the keypoints come in their frame): torchvision's
+    ``heatmaps_to_keypoints``, which the PyTorch model's RoIHeads calls, for the exported graph's heatmaps."""
+    return heatmaps_to_keypoints(heatmaps, boxes)
