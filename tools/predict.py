@@ -24,6 +24,7 @@ from pet.cli import default_argument_parser, default_setup, launch_cli
 from pet.deploy.backend import resolve_backend
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel
 from pet.predict import PREDICT_DEFAULTS, PredictionWriter, Predictor, PredictStats, Source
+from pet.predict.labels import model_keypoint_meta
 from pet.predict.predictor import model_score_thresh
 from pet.predict.sources import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 from pet.predict.writers import check_writable, parse_formats
@@ -146,7 +147,7 @@ def main() -> None:
     if backend == "onnxruntime":
         check_export_threshold(cfg, args.cfg_file, predictor.model, args.score_thresh)
     writer = PredictionWriter(output, formats, predictor.label_space, source, vis_thresh=args.vis_thresh,
-                              ann=args.ann or None, vid_stride=args.vid_stride)
+                              ann=args.ann or None, vid_stride=args.vid_stride, keypoints=model_keypoint_meta(cfg))
     total = source.num_pictures(args.vid_stride)
     unit = "frame" if source.is_video.all() else "img"
     logger.info(f"Predicting on {args.input}: {total} {unit}s, writing {', '.join(formats)} to {output}")

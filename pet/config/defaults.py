@@ -210,6 +210,21 @@ _C.MODEL.ROI_MASK_HEAD.CONV_DIM = 256
 _C.MODEL.ROI_MASK_HEAD.POOLER_RESOLUTION = 14
 _C.MODEL.ROI_MASK_HEAD.POOLER_SAMPLING_RATIO = 2
 
+# Keypoint branch of KeypointRCNN (torchvision's keypointrcnn_resnet50_fpn with these defaults). The
+# meta-architecture says whether a model predicts keypoints; there is no KEYPOINT_ON switch.
+_C.MODEL.ROI_KEYPOINT_HEAD = CN()
+# Registered keypoint head (pet.modeling.ROI_KEYPOINT_HEAD_REGISTRY) or a dotted import path; the default
+# is torchvision's KeypointRCNNHeads, one 3x3 convolution + ReLU per entry of CONV_DIMS.
+_C.MODEL.ROI_KEYPOINT_HEAD.NAME = "KeypointRCNNHeads"
+# Keypoints per instance (COCO person: 17); one heatmap each. The dataset's keypoints must have as many.
+_C.MODEL.ROI_KEYPOINT_HEAD.NUM_KEYPOINTS = 17
+# Output channels of each 3x3 convolution of the head, in order (torchvision: eight of 512).
+_C.MODEL.ROI_KEYPOINT_HEAD.CONV_DIMS = [512] * 8
+# RoIAlign output size (heatmaps are predicted at 4x this: 2x deconvolution, then 2x bilinear) and
+# samples per bin (0: adaptive).
+_C.MODEL.ROI_KEYPOINT_HEAD.POOLER_RESOLUTION = 14
+_C.MODEL.ROI_KEYPOINT_HEAD.POOLER_SAMPLING_RATIO = 2
+
 # RetinaNet (torchvision's retinanet_resnet50_fpn with these defaults); its FPN is P3-P7
 # (MODEL.FPN.RETURNED_LAYERS [2, 3, 4], TOP_BLOCK p6p7).
 _C.MODEL.RETINANET = CN()

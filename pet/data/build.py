@@ -3,7 +3,8 @@
 A loader yields ``(images, targets)`` per the batch contract: ``images`` is a uint8
 [B, 3, H, W] RGB tensor (channels-last in memory) zero-padded at the bottom/right to multiples of
 INPUT.SIZE_DIVISIBILITY, ``targets`` a list of per-image dicts (image_id, image_size,
-orig_size, boxes, labels, and masks in training with MODEL.MASK_ON; see :class:`DatasetMapper`).
+orig_size, boxes, labels, masks in training with MODEL.MASK_ON, keypoints in a keypoint set; see
+:class:`DatasetMapper`).
 ``loader.dataset`` is the :class:`DetectionDataset` (name, coco, categories, label_space, class_names,
 label_to_category_id, ...). Its label space (:func:`build_label_space`) follows ``MODEL.LABEL_SPACE``
 and ``MODEL.NUM_CLASSES``, so ``labels`` are the model's.
@@ -169,7 +170,9 @@ def build_train_loader(cfg: CfgNode, mapper: DatasetMapper | None = None) -> Pet
         check_same_categories([*sources, *(get_dataset(n, strict=cfg.DATA.STRICT) for n in cfg.TEST.DATASETS)])
     for source in sources:
         log_instances_table(source)
-    mapper = mapper or DatasetMapper.from_config(cfg, is_train=True)
+    keypoints = sources[0].keypoint_meta
+    mapper = mapper or DatasetMapper.from_config(cfg, is_train=True,
+                                                 keypoint_flip_map=keypoints.flip_map if keypoints else None)
     if mapper.mask_on:
         require_masks(sources)
     dataset = DetectionDataset(

@@ -22,6 +22,7 @@ from pet.data.coco_json import COCODataset, build_coco_dataset, load_coco_json, 
 from pet.data.formats import FORMATS, read_annotations
 from pet.data.formats.common import check_class_names
 from pet.data.shapes import SHAPE_CLASSES, generate_shapes
+from pet.data.shapes_keypoints import SHAPES_OKS_SIGMAS, prepare_shapes_keypoints
 from pet.utils.errors import ConfigError, DataError
 
 __all__ = [
@@ -42,7 +43,8 @@ class DatasetSpec:
     a CSV file), ``image_root`` the folder image paths are relative to (COCO and CSV), ``split``
     the YOLO / VOC split, ``classes`` the fixed class list (empty: the format's own), ``columns``
     the CSV column names. ``categories`` (if any) gives the categories ``{id: name}`` without
-    reading ``path`` (the built-in datasets' are known).
+    reading ``path`` (the built-in datasets' are known). ``oks_sigmas`` replaces a keypoint set's OKS
+    sigmas (:mod:`pet.data.keypoints`).
     """
 
     name: str
@@ -54,6 +56,7 @@ class DatasetSpec:
     classes: tuple[str, ...] = ()
     columns: tuple[tuple[str, str], ...] = ()
     categories: Callable[[], dict[int, str]] | None = None
+    oks_sigmas: tuple[float, ...] = ()
 
 
 def data_root() -> str:
@@ -73,6 +76,20 @@ def _shapes(split: str) -> Callable[[str], DatasetSpec]:
     return spec
 
 
+def _shapes_keypoints(split: str) -> Callable[[str], DatasetSpec]:
+    """The demo set's images with the corners of its shapes as keypoints (:mod:`pet.data.shapes_keypoints`)."""
+    def spec(root: str) -> DatasetSpec:
+        shapes_root, kp_root = os.path.join(root, "shapes"), os.path.join(root, "shapes_kp")
+        return DatasetSpec(
+            f"shapes_kp_{split}", os.path.join(kp_root, "annotations", f"{split}.json"),
+            os.path.join(shapes_root, split),
+            prepare=functools.partial(prepare_shapes_keypoints, kp_root, shapes_root),
+            categories=lambda: {i + 1: name for i, name in enumerate(SHAPE_CLASSES)}, oks_sigmas=SHAPES_OKS_SIGMAS,
+        )
+
+    return spec
+
+
 def _coco(split: str) -> Callable[[str], DatasetSpec]:
     def spec(root: str) -> DatasetSpec:
         coco_root = os.path.join(root, "coco")
@@ -84,12 +101,28 @@ def _coco(split: str) -> Callable[[str], DatasetSpec]:
     return spec
 
 
+def _coco_keypoints(split: str) -> Callable[[str], DatasetSpec]:
+    def spec(root: str) -> DatasetSpec:
+        coco_root = os.path.join(root, "coco")
+        annotations = os.path.join(coco_root, "annotations", f"person_keypoints_{split}2017.json")
+        return DatasetSpec(
+            f"keypoints_coco_2017_{split}", annotations, os.path.join(coco_root, f"{split}2017"),
+            categories=lambda: {1: "person"},
+        )
+
+    return spec
+
+
 # Built-ins resolve their paths at look-up time, so PET_DATA_ROOT can be set after import.
 _BUILTIN: dict[str, Callable[[str], DatasetSpec]] = {
     "shapes_train": _shapes("train"),
     "shapes_val": _shapes("val"),
+    "shapes_kp_train": _shapes_keypoints("train"),
+    "shapes_kp_val": _shapes_keypoints("val"),
     "coco_2017_train": _coco("train"),
     "coco_2017_val": _coco("val"),
+    "keypoints_coco_2017_train": _coco_keypoints("train"),
+    "keypoints_coco_2017_val": _coco_keypoints("val"),
 }
 _REGISTERED: dict[str, DatasetSpec] = {}
 # (spec, strict) -> (dataset, the files it was read from, their stamp then): see get_dataset.
@@ -114,6 +147,7 @@ def register_dataset(
     split: str = "",
     classes: Sequence[str] = (),
     columns: Mapping[str, str] | None = None,
+    oks_sigmas: Sequence[float] = (),
 ) -> None:
     """Make a dataset of any format available by ``name``: the Python form of a ``DATA.CUSTOM`` entry.
 
@@ -122,8 +156,9 @@ def register_dataset(
     (``path``: the root holding Annotations/, JPEGImages/, ImageSets/Main/; ``split``: the
     ImageSets name) or ``csv`` (``path``: the CSV file, ``images``: the folder its image paths are
     relative to, default the CSV's folder; ``columns``: header names per role). ``classes`` fixes
-    the class list and its order (ids 1..K). Paths resolve as in :func:`register_coco_dataset`;
-    registering the same name again with the same arguments is a no-op.
+    the class list and its order (ids 1..K); ``oks_sigmas`` (one per keypoint) scores a keypoint set's
+    points. Paths resolve as in :func:`register_coco_dataset`; registering the same name again with the same
+    arguments is a no-op.
     """
     if format not in FORMATS:
         raise ConfigError(f"Dataset '{name}': unknown format '{format}'; use one of {list(FORMATS)}.")
@@ -139,6 +174,7 @@ def register_dataset(
         name, _resolve(path), _resolve(images) if images else "", format=format, split=str(split),
         classes=tuple(check_class_names(classes, f"dataset '{name}'")) if classes else (),
         columns=tuple(sorted((str(k), str(v)) for k, v in (columns or {}).items())),
+        oks_sigmas=_sigmas(oks_sigmas, name),
     )
     if name in _BUILTIN:
         raise ConfigError(f"'{name}' is a built-in dataset name; register your dataset under another name "
@@ -157,11 +193,19 @@ _ENTRY_HELP = {
     "voc": "{name: ..., format: voc, path: VOC root, split: train|val|trainval|test}",
     "csv": "{name: ..., format: csv, path: boxes.csv, images: image folder}",
 }
-_ENTRY_KEYS = {"name", "format", "path", "json", "images", "split", "classes", "columns"}
+_ENTRY_KEYS = {"name", "format", "path", "json", "images", "split", "classes", "columns", "oks_sigmas"}
+
+
+def _sigmas(values: Sequence[float], name: str) -> tuple[float, ...]:
+    if isinstance(values, str) or not isinstance(values, Sequence) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise ConfigError(f"Dataset '{name}': `oks_sigmas` must be a list of numbers, one per keypoint, got "
+                          f"{values!r}.")
+    return tuple(float(v) for v in values)
 
 
 def register_custom_datasets(cfg: CfgNode) -> None:
-    """Register every ``DATA.CUSTOM`` entry ``{name, format, path, images, split, classes}`` (see
+    """Register every ``DATA.CUSTOM`` entry ``{name, format, path, images, split, classes, oks_sigmas}`` (see
     :func:`register_dataset`; ``json``, the old name of a COCO entry's ``path``, loads with a warning until 0.3.0)."""
     for i, entry in enumerate(cfg.DATA.CUSTOM):
         if not isinstance(entry, Mapping):
@@ -189,7 +233,7 @@ def register_custom_datasets(cfg: CfgNode) -> None:
         try:
             register_dataset(str(fields["name"]), str(fields.get("path") or fields.get("json") or ""),
                              str(fields.get("images") or ""), format=fmt, split=str(fields.get("split") or ""),
-                             classes=list(classes), columns=columns)
+                             classes=list(classes), columns=columns, oks_sigmas=fields.get("oks_sigmas") or ())
         except (ConfigError, DataError) as exc:
             raise ConfigError(f"DATA.CUSTOM[{i}]: {exc}") from None
 
@@ -237,12 +281,14 @@ def get_dataset(name: str, *, strict: bool = False) -> COCODataset:
 def _load(spec: DatasetSpec, strict: bool) -> tuple[COCODataset, tuple[str, ...]]:
     """The dataset and the files it was read from."""
     if spec.format == "coco":
-        dataset = load_coco_json(spec.path, spec.image_root, spec.name, strict=strict, classes=spec.classes)
+        dataset = load_coco_json(spec.path, spec.image_root, spec.name, strict=strict, classes=spec.classes,
+                                 oks_sigmas=spec.oks_sigmas)
         return dataset, (spec.path,)
     read = read_annotations(spec.format, spec.path, images=spec.image_root, split=spec.split,
                             classes=spec.classes, columns=dict(spec.columns))
     dataset = build_coco_dataset(read.coco, spec.path, read.image_root, spec.name, strict=strict,
-                                 origins=read.origins, format=spec.format)
+                                 origins=read.origins, format=spec.format, keypoint_meta=read.keypoint_meta,
+                                 oks_sigmas=spec.oks_sigmas)
     return dataset, tuple(dict.fromkeys((spec.path, *read.label_files)))
 
 

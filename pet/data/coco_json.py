@@ -21,6 +21,7 @@ from pycocotools.coco import COCO
 
 from pet.data.categories import LabeledDataset, LabelSpace
 from pet.data.formats.common import image_size
+from pet.data.keypoints import KeypointMeta, check_keypoints
 from pet.utils.errors import DataError
 
 __all__ = ["COCODataset", "load_coco_json", "build_coco_dataset", "read_categories", "require_masks"]
@@ -48,7 +49,10 @@ class COCODataset(LabeledDataset):
         records: one dict per image: ``image_id``, ``file_name`` (full path), ``height``, ``width``,
             ``boxes`` (float32 [N, 4] XYXY, clipped, crowd excluded), ``labels`` (int64 [N]) and
             ``segmentations`` (N entries in the order of ``boxes``: a list of float64 polygons
-            (x0, y0, x1, y1, ...), an RLE dict, or None when the annotation has none).
+            (x0, y0, x1, y1, ...), an RLE dict, or None when the annotation has none); in a keypoint set also
+            ``keypoints`` (float32 [N, K, 3], (x, y, visibility) in image pixels; all 0 for an object without).
+        keypoint_meta: the set's :class:`~pet.data.keypoints.KeypointMeta` (names, flip map, skeleton, OKS
+            sigmas), None when it has no keypoints.
         annotations_without_mask: ids of the annotations in ``records`` that have no usable segmentation.
     """
 
@@ -61,6 +65,7 @@ class COCODataset(LabeledDataset):
         records: list[dict[str, Any]],
         annotations_without_mask: Sequence[int] = (),
         format: str = "coco",
+        keypoint_meta: KeypointMeta | None = None,
     ) -> None:
         self.name = name
         self.format = format
@@ -71,6 +76,7 @@ class COCODataset(LabeledDataset):
         self.label_space = LabelSpace.contiguous(self.categories)
         self.records = records
         self.annotations_without_mask = list(annotations_without_mask)
+        self.keypoint_meta = keypoint_meta
 
     def __len__(self) -> int:
         return len(self.records)
@@ -91,11 +97,12 @@ def load_coco_json(
     *,
     strict: bool = False,
     classes: Sequence[str] | None = None,
+    oks_sigmas: Sequence[float] = (),
 ) -> COCODataset:
     """Read and validate a COCO annotation file (see :func:`build_coco_dataset`)."""
     name = name or os.path.splitext(os.path.basename(json_file))[0]
     return build_coco_dataset(_read_json(json_file, name), json_file, image_root, name, strict=strict,
-                              classes=classes)
+                              classes=classes, oks_sigmas=oks_sigmas)
 
 
 def build_coco_dataset(
@@ -108,6 +115,8 @@ def build_coco_dataset(
     classes: Sequence[str] | None = None,
     origins: Mapping[int, str] | None = None,
     format: str = "coco",
+    keypoint_meta: KeypointMeta | None = None,
+    oks_sigmas: Sequence[float] = (),
 ) -> COCODataset:
     """Validate a COCO-format dict (read from ``source``) into a :class:`COCODataset`; ``data`` becomes the
     ground truth.
@@ -120,17 +129,30 @@ def build_coco_dataset(
     categories by name to ids 1..K in its order (an annotated category outside it is an error;
     unannotated ones are dropped). ``origins`` (annotation id -> where it was read, e.g. ``file:line``) names
     the culprit in messages about a box, for datasets read from other formats.
+
+    A keypoint set (categories with ``keypoints`` names, or ``keypoint_meta`` from another format's reader) has
+    every annotation's ``keypoints`` checked (:func:`pet.data.keypoints.check_keypoints`); the ground truth gains
+    ``keypoints`` (zeros) and ``num_keypoints`` where an annotation lacks them, as COCOeval's keypoint task reads
+    both. ``oks_sigmas`` (a ``DATA.CUSTOM`` entry's) replaces the set's sigmas.
     """
     where = f"{source} (dataset '{name}')"
     categories = _check_categories(data["categories"], where)
+    keypoint_meta = keypoint_meta or _keypoint_meta(data["categories"], where)
+    if keypoint_meta is not None and oks_sigmas:
+        keypoint_meta = keypoint_meta.with_sigmas(oks_sigmas)
+    elif oks_sigmas:
+        raise DataError(f"{where} has no keypoints (no category lists `keypoints` names), so its `oks_sigmas` "
+                        "mean nothing. Remove them from the DATA.CUSTOM entry, or add the keypoint names.")
     images = _check_images(data["images"], image_root, where)
     annotations = _check_annotations(data["annotations"], images, categories, where)
+    if keypoint_meta is not None:
+        keypoints = _check_all_keypoints(annotations, images, keypoint_meta.num_keypoints, where, origins or {})
     if classes:  # after the check: an id outside the file's categories would pass as one of the new ids
         categories = _apply_class_list(data, categories, classes, where, origins or {})
 
     cat_to_label = LabelSpace.contiguous(categories).category_id_to_label
     fixer = _BoxFixer(where, strict, origins or {})
-    per_image: dict[int, list[tuple[list[float], int, Any]]] = collections.defaultdict(list)
+    per_image: dict[int, list[tuple[list[float], int, Any, Any]]] = collections.defaultdict(list)
     without_mask = []
     dropped: set[Any] = set()
     for ann in annotations:
@@ -146,7 +168,8 @@ def build_coco_dataset(
         segmentation = _segmentation(ann, image, where)
         if segmentation is None:
             without_mask.append(ann["id"])
-        per_image[ann["image_id"]].append((box, cat_to_label[ann["category_id"]], segmentation))
+        points = keypoints[ann["id"]] if keypoint_meta is not None else None
+        per_image[ann["image_id"]].append((box, cat_to_label[ann["category_id"]], segmentation, points))
     fixer.report(rewritten=format != "coco")
     if format != "coco":
         data["annotations"] = [ann for ann in annotations if ann["id"] not in dropped]
@@ -159,7 +182,7 @@ def build_coco_dataset(
     records = []
     for image_id, image in images.items():
         objs = per_image.get(image_id, [])
-        records.append({
+        record = {
             "image_id": image_id,
             "file_name": os.path.join(image_root, image["file_name"]),
             "height": image["height"],
@@ -167,11 +190,16 @@ def build_coco_dataset(
             "boxes": np.array([o[0] for o in objs], dtype=np.float32).reshape(-1, 4),
             "labels": np.array([o[1] for o in objs], dtype=np.int64),
             "segmentations": [o[2] for o in objs],
-        })
+        }
+        if keypoint_meta is not None:
+            k = keypoint_meta.num_keypoints
+            record["keypoints"] = np.array([o[3] for o in objs], dtype=np.float32).reshape(-1, k, 3)
+        records.append(record)
     if not records:
         raise DataError(f"{where} lists no images; an empty dataset cannot be trained or tested on. "
                         "Point the dataset at an annotation file with images.")
-    return COCODataset(name, source, image_root, coco, records, without_mask, format=format)
+    return COCODataset(name, source, image_root, coco, records, without_mask, format=format,
+                       keypoint_meta=keypoint_meta)
 
 
 def read_categories(json_file: str, name: str | None = None) -> dict[int, str]:
@@ -249,7 +277,8 @@ def _apply_class_list(
     for ann in data["annotations"]:
         if isinstance(ann, dict) and ann.get("category_id") in old_to_new:
             ann["category_id"] = old_to_new[ann["category_id"]]
-    data["categories"] = [{"id": i + 1, "name": name} for i, name in enumerate(classes)]
+    old = {str(c["name"]): c for c in data["categories"]}  # keypoint names and skeleton stay with their class
+    data["categories"] = [{**old.get(name, {}), "id": i + 1, "name": name} for i, name in enumerate(classes)]
     return {i + 1: name for i, name in enumerate(classes)}
 
 
@@ -309,6 +338,47 @@ def _check_annotations(
         ann.setdefault("iscrowd", 0)
         ann.setdefault("area", float(bbox[2]) * float(bbox[3]))
     return annotations
+
+
+def _keypoint_meta(categories: list[dict[str, Any]], where: str) -> KeypointMeta | None:
+    """The points the categories name (``keypoints`` and ``skeleton``, COCO's person_keypoints layout); one list for
+    every category that has one, as a model predicts the same K points for every class. None when none has."""
+    named = [c for c in categories if c.get("keypoints")]
+    if not named:
+        return None
+    names = named[0]["keypoints"]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise DataError(f"Category '{named[0]['name']}' in {where} has keypoints {str(names)[:80]}; it must be a "
+                        "list of point names, as in COCO's person_keypoints files.")
+    for other in named[1:]:
+        if other["keypoints"] != names:
+            raise DataError(f"Categories '{named[0]['name']}' and '{other['name']}' in {where} name different "
+                            f"keypoints ({names} against {other['keypoints']}); a keypoint model predicts one list "
+                            "of points for every class. Give every category the same `keypoints` list (points a "
+                            "class lacks stay unlabelled, visibility 0).")
+    skeleton = next((c["skeleton"] for c in named if c.get("skeleton")), [])
+    if not isinstance(skeleton, list) or not all(isinstance(p, list) and len(p) == 2 for p in skeleton):
+        raise DataError(f"The keypoint skeleton in {where} is {str(skeleton)[:80]}; it must be a list of 1-based "
+                        "pairs [[a, b], ...] of points to join, as in COCO's files.")
+    return KeypointMeta.build(names, skeleton=skeleton)
+
+
+def _check_all_keypoints(
+    annotations: list[dict[str, Any]], images: dict[int, dict[str, Any]], num_keypoints: int, where: str,
+    origins: Mapping[int, str],
+) -> dict[Any, np.ndarray]:
+    """Every annotation's keypoints [K, 3], checked; the ground truth gains ``keypoints`` (zeros) and
+    ``num_keypoints`` (the labelled points) where an annotation lacks them."""
+    result = {}
+    for ann in annotations:
+        if ann.get("keypoints") is None:
+            ann["keypoints"] = [0] * (3 * num_keypoints)
+        image = images[ann["image_id"]]
+        what = origins.get(ann["id"]) or f"Annotation {ann['id']} in {where} (image id {ann['image_id']})"
+        points = check_keypoints(ann["keypoints"], num_keypoints, image["width"], image["height"], what)
+        ann.setdefault("num_keypoints", int(np.count_nonzero(points[:, 2])))
+        result[ann["id"]] = points
+    return result
 
 
 def _set_box(ann: dict[str, Any], box: list[float]) -> None:

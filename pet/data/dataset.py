@@ -100,6 +100,7 @@ class DetectionDataset(LabeledDataset, torch.utils.data.Dataset):
         self.name = "+".join(d.name for d in datasets)
         self.json_file, self.image_root, self.coco = first.json_file, first.image_root, first.coco
         self.format = first.format
+        self.keypoint_meta = first.keypoint_meta
         self.categories = first.categories
         self.label_space = label_space or first.label_space
         self.mapper = mapper
@@ -219,6 +220,13 @@ def check_same_categories(datasets: Sequence[COCODataset]) -> None:
                 f"Datasets '{first.name}' ({first.json_file}) and '{other.name}' ({other.json_file}) have different "
                 f"categories: {what}. Datasets trained or tested together need the same category ids and names: "
                 "give their DATA.CUSTOM entries the same `classes: [...]` list."
+            )
+        points = [d.keypoint_meta.names if d.keypoint_meta else None for d in (first, other)]
+        if points[0] != points[1]:
+            raise DataError(
+                f"Datasets '{first.name}' ({first.json_file}) and '{other.name}' ({other.json_file}) have different "
+                f"keypoints: {points[0] or 'none'} against {points[1] or 'none'}. Datasets trained or tested together "
+                "need the same keypoint names in the same order."
             )
 
 

@@ -71,7 +71,10 @@ class DatasetMapper:
     - ``labels``: int64 [N] the record's labels: in a loader, the model's (``MODEL.LABEL_SPACE``; the
       :class:`~pet.data.dataset.DetectionDataset` maps records into its ``label_space``, whose
       ``category_id(label)`` gives each one's category id);
-    - ``masks`` (only with ``mask_on``): uint8 [N, h, w] of 0/1, mask i belongs to box i.
+    - ``masks`` (only with ``mask_on``): uint8 [N, h, w] of 0/1, mask i belongs to box i;
+    - ``keypoints`` (when the record has them: a keypoint set): float32 [N, K, 3] (x, y, visibility) in the
+      pixels of ``image`` (torchvision's target); a flip renumbers them by ``keypoint_flip_map``, and a point
+      the transforms put outside the image (a crop) becomes unlabelled (visibility 0), as in detectron2.
 
     Masks are decoded with pycocotools. Polygons go through the same coordinate transform as the
     boxes and are rasterised at the final size; RLE masks are decoded at the original size and
@@ -79,19 +82,23 @@ class DatasetMapper:
     """
 
     def __init__(self, augmentations: Sequence[Augmentation], *, mask_on: bool = False,
-                 min_visible: float = 0.0) -> None:
+                 min_visible: float = 0.0, keypoint_flip_map: Sequence[int] | None = None) -> None:
         self.augmentations = list(augmentations)
         self.mask_on = mask_on
         self.min_visible = min_visible
+        self.keypoint_flip_map = list(keypoint_flip_map) if keypoint_flip_map is not None else None
 
     @classmethod
-    def from_config(cls, cfg: CfgNode, is_train: bool, *, mask_on: bool | None = None) -> DatasetMapper:
+    def from_config(cls, cfg: CfgNode, is_train: bool, *, mask_on: bool | None = None,
+                    keypoint_flip_map: Sequence[int] | None = None) -> DatasetMapper:
         """The mapper train/test loaders use. Masks default to MODEL.MASK_ON in training and to off in
-        testing (COCO evaluation reads the ground truth from the annotation file)."""
+        testing (COCO evaluation reads the ground truth from the annotation file). ``keypoint_flip_map``: the
+        training set's (:class:`~pet.data.keypoints.KeypointMeta`), for flipping its keypoints."""
         if mask_on is None:
             mask_on = bool(cfg.MODEL.MASK_ON) and is_train
         min_visible = cfg.INPUT.CROP.MIN_VISIBLE if is_train and cfg.INPUT.CROP.ENABLED else 0.0
-        return cls(build_augmentations(cfg, is_train), mask_on=mask_on, min_visible=min_visible)
+        return cls(build_augmentations(cfg, is_train), mask_on=mask_on, min_visible=min_visible,
+                   keypoint_flip_map=keypoint_flip_map)
 
     def __call__(self, record: dict[str, Any], image: np.ndarray, rng: np.random.Generator) -> dict[str, Any]:
         orig_size = (int(image.shape[0]), int(image.shape[1]))
@@ -104,9 +111,11 @@ class DatasetMapper:
         keep = (visible > 0) & (visible >= self.min_visible * whole)
         labels = np.asarray(record["labels"], dtype=np.int64)
         segmentations = record["segmentations"] if self.mask_on else []
+        keypoints = _keypoints(record, transform, self.keypoint_flip_map, (h, w))
         if not keep.all():  # a crop cut them: what is left of them is too little to be labelled
             boxes, labels = boxes[keep], labels[keep]
             segmentations = [s for s, k in zip(segmentations, keep) if k] if self.mask_on else []
+            keypoints = keypoints[keep] if keypoints is not None else None
         sample = {
             "image": torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1),  # a view: no transpose copy
             "image_id": int(record["image_id"]),
@@ -118,7 +127,21 @@ class DatasetMapper:
         if self.mask_on:
             masks = segmentations_to_masks(segmentations, transform, orig_size, (h, w))
             sample["masks"] = torch.from_numpy(masks)
+        if keypoints is not None:
+            sample["keypoints"] = torch.from_numpy(keypoints)
         return sample
+
+
+def _keypoints(record: dict[str, Any], transform: Transform, flip_map: Sequence[int] | None,
+               size: tuple[int, int]) -> np.ndarray | None:
+    """The record's keypoints [N, K, 3] after ``transform``; points outside the (h, w) image become unlabelled."""
+    if "keypoints" not in record:
+        return None
+    points = transform.apply_keypoints(record["keypoints"], flip_map)
+    h, w = size
+    x, y = points[..., 0], points[..., 1]
+    points[..., 2][(x < 0) | (y < 0) | (x > w) | (y > h)] = 0
+    return points
 
 
 def _area(boxes: np.ndarray) -> np.ndarray:

@@ -21,6 +21,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import cv2
@@ -28,7 +29,8 @@ import numpy as np
 
 from pet.utils.files import atomic_path
 
-__all__ = ["SHAPE_CLASSES", "generate_shapes", "is_complete", "render_picture", "render_scene", "mask_polygons"]
+__all__ = ["SHAPE_CLASSES", "DrawnObject", "generate_shapes", "is_complete", "render_picture", "render_objects",
+           "render_scene", "mask_polygons"]
 
 logger = logging.getLogger(__name__)
 
@@ -147,10 +149,31 @@ def render_picture(
     rng: np.random.Generator, height: int, width: int, object_size: list[int], max_objects: int
 ) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
     """One BGR image and its objects as ``(class index, visible mask)``."""
+    image, objects = render_objects(rng, height, width, object_size, max_objects)
+    return image, [(o.label, o.visible) for o in objects]
+
+
+@dataclass
+class DrawnObject:
+    """One object of a rendered picture: its class index, visible mask (uint8 0/1), the vertices it was drawn from
+    (float64 [P, 2], x y in pixels) and the mask of the objects drawn over it (bool), which hides its vertices."""
+
+    label: int
+    visible: np.ndarray
+    vertices: np.ndarray
+    covered: np.ndarray
+
+
+def render_objects(
+    rng: np.random.Generator, height: int, width: int, object_size: list[int], max_objects: int
+) -> tuple[np.ndarray, list[DrawnObject]]:
+    """One BGR image and its objects with their vertices (:func:`render_picture` draws the same from the same
+    ``rng``: the shapes set's keypoints come from here, for the images already written)."""
     image = _background(rng, height, width)
     full_masks: list[np.ndarray] = []
     visible: list[np.ndarray] = []
     labels: list[int] = []
+    shapes: list[np.ndarray] = []
     for _ in range(int(rng.integers(1, max_objects + 1))):
         for _attempt in range(20):
             label = int(rng.integers(len(SHAPE_CLASSES)))
@@ -167,11 +190,17 @@ def render_picture(
         full_masks.append(covered)
         visible = [*after, covered]
         labels.append(label)
+        shapes.append(shape)
     if rng.random() < 0.3:
         image = cv2.GaussianBlur(image, (3, 3), 0)
     noise = rng.normal(0.0, rng.uniform(2.0, 12.0), image.shape).astype(np.float32)
     image = np.clip(image + noise, 0, 255).astype(np.uint8)
-    return image, [(label, v.astype(np.uint8)) for label, v in zip(labels, visible) if v.any()]
+    objects = []
+    for i, (label, v, shape) in enumerate(zip(labels, visible, shapes)):
+        if v.any():
+            later = np.logical_or.reduce(full_masks[i + 1:]) if i + 1 < len(full_masks) else np.zeros_like(v)
+            objects.append(DrawnObject(label, v.astype(np.uint8), shape.astype(np.float64) / 4, later))
+    return image, objects
 
 
 def _draw_shape(

@@ -4,7 +4,8 @@ For timing a model before (or without) its data: :mod:`pet.engine.speed_probe` t
 decide the precision. Pictures in the style of the shapes set (:func:`pet.data.shapes.render_picture`),
 of the config's typical size (:func:`pet.utils.model_summary.flops_input_size`: ``MODEL.FLOPS_INPUT_SIZE``,
 else 4:3 at the test size), through the config's resize and collator, with boxes, labels (and masks for
-a mask model in training) as the loader gives them. Seeded: the same config gives the same batch.
+a mask model in training, keypoints for a keypoint model) as the loader gives them. Seeded: the same
+config gives the same batch.
 """
 from __future__ import annotations
 
@@ -49,5 +50,15 @@ def synthetic_batch(cfg: CfgNode, *, training: bool) -> tuple[torch.Tensor, list
             "labels": [1 + label % num_classes for label, _ in objects],
             "segmentations": [mask_polygons(mask) for _, mask in objects],
         }
+        if cfg.MODEL.META_ARCHITECTURE == "KeypointRCNN":  # a keypoint model trains on keypoints too
+            record["keypoints"] = _keypoints(record["boxes"], int(cfg.MODEL.ROI_KEYPOINT_HEAD.NUM_KEYPOINTS))
         samples.append(mapper(record, cv2.cvtColor(image, cv2.COLOR_BGR2RGB), rng))
     return collate_batch(samples, cfg.INPUT.SIZE_DIVISIBILITY)
+
+
+def _keypoints(boxes: np.ndarray, num_keypoints: int) -> np.ndarray:
+    """K visible points per box [N, K, 3], spread over its inside (what a keypoint loss is computed on)."""
+    steps = (np.arange(num_keypoints) + 1) / (num_keypoints + 1)
+    x0, y0, x1, y1 = (boxes[:, i:i + 1] for i in range(4))
+    xs, ys = x0 + (x1 - x0) * steps, y0 + (y1 - y0) * steps[::-1]
+    return np.stack([xs, ys, np.full_like(xs, 2.0)], axis=-1).astype(np.float32)

@@ -2,8 +2,9 @@
 
 An :class:`Augmentation` looks at an image size and draws a deterministic
 :class:`Transform` from a random generator; the transform is then applied to the
-image, the boxes and the masks (as polygons, or as bitmasks for RLE), so every
-annotation stays consistent with the pixels. New annotation types only need an
+image, the boxes, the masks (as polygons, or as bitmasks for RLE) and the keypoints, so
+every annotation stays consistent with the pixels; a horizontal flip also swaps left and right
+keypoints by the set's flip map. New annotation types only need an
 ``apply_*`` method built on ``apply_coords``. Photometric transforms (colour jitter)
 change pixels only: their ``apply_coords`` and ``apply_segmentation`` are the identity.
 An augmentation that places itself by the objects (:class:`RandomCrop` around an object) sets
@@ -48,6 +49,16 @@ class Transform:
     def apply_polygons(self, polygons: list[np.ndarray]) -> list[np.ndarray]:
         """Transform polygons, each a flat array (x0, y0, x1, y1, ...) as in COCO."""
         return [self.apply_coords(np.asarray(p, dtype=np.float64).reshape(-1, 2)).reshape(-1) for p in polygons]
+
+    def apply_keypoints(self, keypoints: np.ndarray, flip_map: Sequence[int] | None = None) -> np.ndarray:
+        """Transform keypoints [N, K, 3] (x, y, visibility): the points move as ``apply_coords`` moves them, the
+        visibility stays. A mirroring transform also renumbers the points by ``flip_map`` (the set's
+        :class:`~pet.data.keypoints.KeypointMeta`), so a left wrist stays a left wrist."""
+        points = np.array(keypoints, dtype=np.float32).reshape(len(keypoints), -1, 3)
+        if points.size:
+            xy = self.apply_coords(points[..., :2].reshape(-1, 2))
+            points[..., :2] = np.asarray(xy, dtype=np.float32).reshape(*points.shape[:2], 2)
+        return points
 
 
 class NoOpTransform(Transform):
@@ -101,6 +112,18 @@ class HFlipTransform(Transform):
 
     def apply_segmentation(self, mask: np.ndarray) -> np.ndarray:
         return cv2.flip(mask, 1)
+
+    def apply_keypoints(self, keypoints: np.ndarray, flip_map: Sequence[int] | None = None) -> np.ndarray:
+        """Mirror the points and swap left and right ones: point i of the mirrored object is point ``flip_map[i]``
+        of the original (torchvision's and detectron2's rule for COCO's person)."""
+        points = super().apply_keypoints(keypoints)
+        if points.shape[1] == 0:
+            return points
+        if flip_map is None:
+            raise ValueError("Flipping keypoints needs the set's flip map (KeypointMeta.flip_map); without it a left "
+                             "point would turn into a left point on the right side. Pass keypoint_flip_map to the "
+                             "mapper.")
+        return points[:, list(flip_map)]
 
 
 class CropTransform(Transform):
@@ -179,6 +202,11 @@ class TransformList(Transform):
         for t in self.transforms:
             mask = t.apply_segmentation(mask)
         return mask
+
+    def apply_keypoints(self, keypoints: np.ndarray, flip_map: Sequence[int] | None = None) -> np.ndarray:
+        for t in self.transforms:  # each flip swaps: two flips give back the original numbering
+            keypoints = t.apply_keypoints(keypoints, flip_map)
+        return np.asarray(keypoints, dtype=np.float32)
 
 
 class Augmentation:

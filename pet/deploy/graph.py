@@ -17,7 +17,14 @@ detections of the whole batch, grouped by image in batch order, by decreasing sc
 - ``scores`` float32 ``[N]``; ``labels`` int64 ``[N]`` (1..NUM_CLASSES); ``image_index`` int64 ``[N]``;
 - Mask R-CNN and Cascade Mask R-CNN only: ``masks`` float32 ``[N, 1, M, M]``, each detection's mask
   probabilities for its class (``M`` = 2 x ``MODEL.ROI_MASK_HEAD.POOLER_RESOLUTION``, 28 by default), to be
-  pasted into its box (:func:`pet.modeling.postprocess.paste_masks`).
+  pasted into its box (:func:`pet.modeling.postprocess.paste_masks`);
+- Keypoint R-CNN only: ``keypoint_heatmaps`` float32 ``[N, K, H, H]``, each detection's heatmap logits
+  (``H`` = 4 x ``MODEL.ROI_KEYPOINT_HEAD.POOLER_RESOLUTION``, 56 by default), to be decoded into keypoints in its
+  box (:func:`pet.modeling.keypoint_head.decode_heatmaps`, torchvision's ``heatmaps_to_keypoints``). The decoding
+  resizes each heatmap to its box's size in pixels, a size that differs per detection: torch.export, which Pet
+  exports with, cannot hold that (torchvision's ONNX path for it is a TorchScript loop for the legacy tracer),
+  and a batched form would need image-sized maps per keypoint. So the graph ends at the heatmaps, as it ends at
+  the mask probabilities, and the runtime decodes them with the PyTorch model's own function.
 
 For the same input the detections are the PyTorch model's up to float rounding: thresholds, top-k and
 caps are applied in the same order and with the same comparisons (``>`` or ``>=``) as torchvision's code.
@@ -69,17 +76,24 @@ class TwoStageGraph(DetectorGraph):
         self.roi_heads = model.roi_heads
         self.box_pooler = BatchedRoIAlign(self.roi_heads.box_roi_pool, example_features, example_sizes)
         self.mask_on = self.roi_heads.has_mask()
+        self.keypoint_on = self.roi_heads.has_keypoint()
         if self.mask_on:
             self.mask_pooler = BatchedRoIAlign(self.roi_heads.mask_roi_pool, example_features, example_sizes)
-            self.output_names = (*DetectorGraph.output_names, "masks")
+            self.output_names = (*self.output_names, "masks")
+        if self.keypoint_on:
+            self.keypoint_pooler = BatchedRoIAlign(self.roi_heads.keypoint_roi_pool, example_features, example_sizes)
+            self.output_names = (*self.output_names, "keypoint_heatmaps")
 
     def forward(self, images: Tensor, image_sizes: Tensor) -> tuple[Tensor, ...]:
         features = self.features(images, image_sizes)
         rois = self.proposals(list(features.values()), images.shape[-2:], image_sizes)
         boxes, scores, labels, image_index = self.detections(features, rois, image_sizes, max(images.shape[-2:]))
-        if not self.mask_on:
-            return boxes, scores, labels, image_index
-        return boxes, scores, labels, image_index, self.masks(features, boxes, labels, image_index)
+        outputs: tuple[Tensor, ...] = (boxes, scores, labels, image_index)
+        if self.mask_on:
+            outputs = (*outputs, self.masks(features, boxes, labels, image_index))
+        if self.keypoint_on:
+            outputs = (*outputs, self.keypoint_heatmaps(features, boxes, image_index))
+        return outputs
 
     def proposals(self, features: list[Tensor], padded_size: tuple[int, int], image_sizes: Tensor) -> Tensor:
         """The RPN's proposals as RoIs ``[R, 5]`` (image index, XYXY), as torchvision's ``filter_proposals``
@@ -150,6 +164,12 @@ class TwoStageGraph(DetectorGraph):
         rois = torch.cat([image_index[:, None].to(boxes.dtype), boxes], dim=1)
         logits = heads.mask_predictor(heads.mask_head(self.mask_pooler(features, rois)))
         return logits.sigmoid()[torch.arange(labels.shape[0], device=labels.device), labels][:, None]
+
+    def keypoint_heatmaps(self, features: dict[str, Tensor], boxes: Tensor, image_index: Tensor) -> Tensor:
+        """Each detection's keypoint heatmap logits, ``[N, K, H, H]``, as torchvision's RoIHeads computes them."""
+        heads = self.roi_heads
+        rois = torch.cat([image_index[:, None].to(boxes.dtype), boxes], dim=1)
+        return heads.keypoint_predictor(heads.keypoint_head(self.keypoint_pooler(features, rois)))
 
 
 class CascadeGraph(TwoStageGraph):
@@ -320,8 +340,8 @@ def nms_per_image(boxes: Tensor, scores: Tensor, groups: Tensor, image_index: Te
 
 
 def build_graph(model: torch.nn.Module, example_images: Tensor, example_sizes: list[tuple[int, int]]) -> DetectorGraph:
-    """The batched graph of ``model``, a Pet FasterRCNN, MaskRCNN, CascadeRCNN, CascadeMaskRCNN, RetinaNet or FCOS
-    (or a subclass), in eval mode.
+    """The batched graph of ``model``, a Pet FasterRCNN, MaskRCNN, CascadeRCNN, CascadeMaskRCNN, KeypointRCNN,
+    RetinaNet or FCOS (or a subclass), in eval mode.
 
     ``example_images`` and ``example_sizes`` (a batch as the test loader gives it) fix what torchvision infers on
     its first call: the RoI poolers' feature-map scales.

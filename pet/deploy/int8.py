@@ -68,8 +68,10 @@ logger = logging.getLogger(__name__)
 # The operations a quantized part runs in int8: its convolutions and matrix products, and what sits between them.
 QUANTIZED_OPS = ("Conv", "Gemm", "MatMul", "Add", "Relu", "MaxPool", "Resize")
 # Parts kept in float: the final box and mask predictors (a few outputs per RoI): int8 made the demo slower there
-# (the quantize / dequantize steps cost more than the small matrix products save), see docs/BENCHMARKS.md.
-FLOAT_PARTS = ("roi_heads.box_predictor", "roi_heads.mask_predictor")
+# (the quantize / dequantize steps cost more than the small matrix products save), see docs/BENCHMARKS.md. And
+# Keypoint R-CNN's keypoint branch: the gate measures box (and mask) AP, which cannot see keypoints degrade.
+FLOAT_PARTS = ("roi_heads.box_predictor", "roi_heads.mask_predictor", "roi_heads.keypoint_head",
+               "roi_heads.keypoint_predictor")
 _SCOPES = "pkg.torch.onnx.name_scopes"  # the module path of each node, as torch's ONNX exporter records it
 
 

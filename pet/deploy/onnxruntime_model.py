@@ -2,8 +2,9 @@
 
 :class:`OnnxRuntimeModel` is an ``nn.Module`` whose ``forward(images, targets)`` takes the test loader's
 batches and returns what the PyTorch model returns in eval mode, per image ``{"boxes", "scores", "labels"}``
-(and ``"masks"``) in original-image pixels. So ``pet.engine.inference.inference_on_dataset``, the COCO
-evaluator, TestHook and any test callback use it unchanged (``tools/test_net.py --backend onnxruntime``).
+(and ``"masks"``, or ``"keypoints"`` and ``"keypoints_scores"``) in original-image pixels. So
+``pet.engine.inference.inference_on_dataset``, the COCO evaluator, TestHook and any test callback use it
+unchanged (``tools/test_net.py --backend onnxruntime``).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pet.modeling.keypoint_head import decode_heatmaps
 from pet.modeling.postprocess import detections_to_original
 from pet.modeling.preprocess import image_sizes
 from pet.utils.errors import PetError
@@ -72,14 +74,20 @@ class OnnxRuntimeModel(torch.nn.Module):
 
     def network_detections(self, images: Tensor, targets: list[dict[str, Any]]) -> list[dict[str, Tensor]]:
         """The graph's detections split by image: boxes in the network input's pixels, masks (Mask R-CNN) as
-        ``[N, 1, M, M]`` probabilities, as the PyTorch model's RoI heads give them before its last step."""
+        ``[N, 1, M, M]`` probabilities, keypoints (Keypoint R-CNN) decoded from the graph's heatmaps in the boxes'
+        frame, as the PyTorch model's RoI heads give them before its last step."""
         if min(images.shape[-2:]) < self.min_image_size:
             raise PetError(f"{self.path} takes padded images of at least {self.min_image_size} px a side (so that "
                            f"every feature map is larger than 1 cell); this batch is {tuple(images.shape[-2:])} px.")
         outputs = self.session.run(None, session_inputs(images, targets))
         named = {name: torch.from_numpy(value) for name, value in zip(self.output_names, outputs)}
         counts = torch.bincount(named.pop("image_index"), minlength=len(targets)).tolist()
-        return [dict(zip(named, parts)) for parts in zip(*(value.split(counts) for value in named.values()))]
+        detections = [dict(zip(named, parts)) for parts in zip(*(value.split(counts) for value in named.values()))]
+        for detection in detections:
+            if "keypoint_heatmaps" in detection:
+                heatmaps = detection.pop("keypoint_heatmaps")
+                detection["keypoints"], detection["keypoints_scores"] = decode_heatmaps(heatmaps, detection["boxes"])
+        return detections
 
 
 def session_inputs(images: Tensor, targets: list[dict[str, Any]]) -> dict[str, np.ndarray]:

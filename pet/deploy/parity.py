@@ -34,7 +34,8 @@ class Tolerance:
 
     Both must have the same number of detections, each detection a counterpart with the same label and:
     ``box``: every coordinate within ``box`` x the original image's longer side, in px (0.64 px for a
-    640 px image); ``score`` absolute; ``mask_iou``: the pasted masks' IoU at least this, not counting the
+    640 px image), and so every keypoint; ``score`` absolute, and relative for keypoint scores (heatmap logits,
+    O(10)); ``mask_iou``: the pasted masks' IoU at least this, not counting the
     pixels whose pasted probability in the PyTorch mask is within ``mask_band`` of the 0.5 threshold. Those
     are decided by float rounding, not by the export: pasting interpolates between mask cells, and a saturated
     mask (cells of 0 and 1) resized by a whole factor puts pixels exactly halfway, at 0.5.
@@ -86,12 +87,17 @@ class ParityReport:
     box_fraction: float = 0.0  # ... as a fraction of its image's longer side
     score: float = 0.0
     mask_iou: float | None = None  # lowest, for models with masks
+    keypoint_px: float | None = None  # largest keypoint coordinate difference, for models with keypoints
+    keypoint_score: float | None = None  # ... and relative keypoint score difference
     near_ties: int = 0  # detections paired as translated near-ties (see check_parity)
     problems: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         tol = self.tolerance
         masks = f", lowest mask IoU {self.mask_iou:.4f} (at least {tol.mask_iou})" if self.mask_iou is not None else ""
+        if self.keypoint_px is not None:
+            masks += (f", keypoints {self.keypoint_px:.3g} px and keypoint scores {self.keypoint_score:.3g} "
+                      "(relative) apart")
         ties = f"; {self.near_ties} paired as translated near-ties" if self.near_ties else ""
         return (f"{self.images} images, {self.detections} detections{ties}; largest differences: box "
                 f"{self.box_px:.3g} px = {self.box_fraction:.3g} of the image size (tolerance {tol.box:g}), "
@@ -213,6 +219,10 @@ def _compare_image(report: ParityReport, ref: dict[str, Tensor], ours: dict[str,
             report.mask_iou = min(iou, 1.0 if report.mask_iou is None else report.mask_iou)
             if iou < tol.mask_iou:
                 return f"detection {i} (label {int(ref['labels'][i])}) has a mask of IoU {iou:.4f} with onnxruntime's"
+        if "keypoints" in ref:
+            problem = _compare_keypoints(report, ref, ours, i, j, box_tol)
+            if problem:
+                return problem
     unpaired = []
     ties_allowed = max(1, len(ref["boxes"]) // 10)  # a near-tie is a rare swap, not a shift of every box
     for i in leftover:
@@ -228,6 +238,22 @@ def _compare_image(report: ParityReport, ref: dict[str, Tensor], ours: dict[str,
     near_cutoff = [min(abs(score - cutoff) for cutoff in cutoffs) <= tol.score
                    for score in (*ref["scores"][unpaired].tolist(), *ours["scores"][free].tolist())]
     return "" if all(near_cutoff) else _unpaired(ref, ours, unpaired[0])
+
+
+def _compare_keypoints(report: ParityReport, ref: dict[str, Tensor], ours: dict[str, Tensor], i: int, j: int,
+                       box_tol: float) -> str:
+    """Keypoints of the paired detections ``i`` (PyTorch) and ``j`` (onnxruntime) into ``report``: every coordinate
+    within the box tolerance, every score within the score tolerance relative to its size; what disagrees, or ''.
+    """
+    px = float((ours["keypoints"][j] - ref["keypoints"][i]).abs().max())
+    expected = ref["keypoints_scores"][i]
+    score = float(((ours["keypoints_scores"][j] - expected).abs() / expected.abs().clamp(min=1)).max())
+    report.keypoint_px = max(px, report.keypoint_px or 0.0)
+    report.keypoint_score = max(score, report.keypoint_score or 0.0)
+    if px > box_tol or score > report.tolerance.score:
+        return (f"detection {i} (label {int(ref['labels'][i])}) has keypoints {px:.3g} px and keypoint scores "
+                f"{score:.3g} (relative) from onnxruntime's")
+    return ""
 
 
 def _unpaired(ref: dict[str, Tensor], ours: dict[str, Tensor], i: int) -> str:

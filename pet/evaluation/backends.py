@@ -14,7 +14,10 @@ checked on 1.8.0:
   follows it) and the same results list, in the same order (ties between equal scores keep it);
 - its own copies of the ground truth and the results: it adds fields (``ignore``, ``rle``, ...)
   to the annotation dicts it is given, which must not leak into the dataset's pycocotools object;
-- only the first 12 of its ``stats``: it appends AR50 and AR75 after COCO's 12.
+- only the first 12 of its ``stats`` (10 for keypoints): it appends AR50 and AR75 after COCO's 12;
+- for ``keypoints``, the sigmas given to both (``kpt_oks_sigmas``; pycocotools' default is COCO's 17 for
+  any K) and the same ``catIds`` (the categories with keypoints), so that neither scores a class without
+  points.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from pycocotools.cocoeval import COCOeval
 
 from pet.utils.errors import ConfigError
 
-__all__ = ["BACKENDS", "COCOEvalResult", "resolve_backend", "run_cocoeval"]
+__all__ = ["BACKENDS", "COCOEvalResult", "KeypointTask", "resolve_backend", "run_cocoeval"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +52,9 @@ class COCOEvalResult:
     """What Pet reads from a finished COCOeval, the same whichever backend ran it.
 
     ``stats``: COCO's 12 summary numbers (AP, AP50, AP75, APs, APm, APl, AR1, AR10, AR100, ARs,
-    ARm, ARl), -1 where there is no ground truth. ``precision`` [T, R, K, A, M] and ``scores``
+    ARm, ARl), -1 where there is no ground truth; for ``keypoints`` its 10 (AP, AP50, AP75, APm, APl, AR,
+    AR50, AR75, ARm, ARl: OKS thresholds instead of IoU, no small range, 20 detections per image).
+    ``precision`` [T, R, K, A, M] and ``scores``
     (same shape) are COCOeval's ``eval`` arrays: interpolated precision and the score reached
     at each IoU threshold ``iou_thresholds[T]``, recall threshold ``recall_thresholds[R]``,
     category ``category_ids[K]``, area range ``area_ranges[A]`` ("all", "small", "medium",
@@ -89,31 +94,46 @@ def resolve_backend(name: str) -> str:
     return name
 
 
+@dataclass(frozen=True)
+class KeypointTask:
+    """What the ``keypoints`` task needs besides the results: the OKS sigmas (one per point) and the ids of the
+    categories that have keypoints (the only ones scored)."""
+
+    oks_sigmas: tuple[float, ...]
+    category_ids: tuple[int, ...]
+
+
 def run_cocoeval(
-    coco_gt: COCO, results: list[dict[str, Any]], iou_type: str, image_ids: Iterable[int], backend: str
+    coco_gt: COCO, results: list[dict[str, Any]], iou_type: str, image_ids: Iterable[int], backend: str,
+    keypoints: KeypointTask | None = None,
 ) -> COCOEvalResult:
     """Run COCOeval (evaluate, accumulate, summarize) of ``results`` on ``image_ids`` with ``backend``.
 
     ``coco_gt`` is the dataset's pycocotools object; ``results`` are COCO result dicts for
-    ``iou_type`` ("bbox" or "segm"); neither is modified. ``backend`` is "pycocotools" or "faster"
-    (see :func:`resolve_backend`). An empty ``results`` is scored too: AP 0 wherever there is
-    ground truth.
+    ``iou_type`` ("bbox", "segm" or "keypoints", which needs ``keypoints``); neither is modified.
+    ``backend`` is "pycocotools" or "faster" (see :func:`resolve_backend`). An empty ``results`` is
+    scored too: AP 0 wherever there is ground truth.
     """
     image_ids = sorted(set(image_ids))
+    if (iou_type == "keypoints") != (keypoints is not None):
+        raise ValueError("the keypoints task, and only it, needs its KeypointTask (sigmas and categories)")
     if backend == "pycocotools":
-        return _run_pycocotools(coco_gt, results, iou_type, image_ids)
+        return _run_pycocotools(coco_gt, results, iou_type, image_ids, keypoints)
     if backend == "faster":
-        return _run_faster(coco_gt, results, iou_type, image_ids)
+        return _run_faster(coco_gt, results, iou_type, image_ids, keypoints)
     raise ValueError(f"backend must be 'pycocotools' or 'faster', got '{backend}'")
 
 
 def _run_pycocotools(
-    coco_gt: COCO, results: list[dict[str, Any]], iou_type: str, image_ids: list[int]
+    coco_gt: COCO, results: list[dict[str, Any]], iou_type: str, image_ids: list[int], keypoints: KeypointTask | None
 ) -> COCOEvalResult:
     with contextlib.redirect_stdout(io.StringIO()):
         coco_dt = coco_gt.loadRes(copy.deepcopy(results)) if results else _empty_results(coco_gt)
         coco_eval = COCOeval(coco_gt, coco_dt, iou_type)
         coco_eval.params.imgIds = image_ids
+        if keypoints is not None:
+            coco_eval.params.kpt_oks_sigmas = np.asarray(keypoints.oks_sigmas, dtype=np.float64)
+            coco_eval.params.catIds = sorted(keypoints.category_ids)
         coco_eval.evaluate()
         coco_eval.accumulate()
     summary = io.StringIO()
@@ -131,14 +151,20 @@ def _empty_results(coco_gt: COCO) -> COCO:
     return coco_dt
 
 
-def _run_faster(coco_gt: COCO, results: list[dict[str, Any]], iou_type: str, image_ids: list[int]) -> COCOEvalResult:
+def _run_faster(
+    coco_gt: COCO, results: list[dict[str, Any]], iou_type: str, image_ids: list[int], keypoints: KeypointTask | None
+) -> COCOEvalResult:
     from faster_coco_eval import COCOeval_faster  # optional ("fast-eval" extra): only this backend needs it
 
     lines: list[str] = []
     faster_gt = _faster_ground_truth(coco_gt)
     coco_dt = faster_gt.loadRes(copy.deepcopy(results))
-    coco_eval = COCOeval_faster(faster_gt, coco_dt, iou_type, print_function=lambda *args: None)
+    sigmas = list(keypoints.oks_sigmas) if keypoints is not None else None
+    coco_eval = COCOeval_faster(faster_gt, coco_dt, iou_type, print_function=lambda *args: None,
+                                kpt_oks_sigmas=sigmas)
     coco_eval.params.imgIds = image_ids
+    if keypoints is not None:
+        coco_eval.params.catIds = sorted(keypoints.category_ids)
     coco_eval.evaluate()
     coco_eval.accumulate()
     coco_eval.print_function = lines.append
@@ -160,7 +186,7 @@ def _result(backend: str, coco_eval: Any, summary: str) -> COCOEvalResult:
     return COCOEvalResult(
         backend=backend,
         iou_type=params.iouType,
-        stats=np.asarray(coco_eval.stats[:12], dtype=np.float64),
+        stats=np.asarray(coco_eval.stats[:10 if params.iouType == "keypoints" else 12], dtype=np.float64),
         precision=np.asarray(coco_eval.eval["precision"]),
         scores=np.asarray(coco_eval.eval["scores"]),
         iou_thresholds=np.asarray(params.iouThrs),

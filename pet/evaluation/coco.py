@@ -1,11 +1,12 @@
-"""COCO box and mask evaluation: pycocotools' COCOeval, or faster-coco-eval's (the same numbers).
+"""COCO box, mask and keypoint evaluation: pycocotools' COCOeval, or faster-coco-eval's (the same numbers).
 
 :class:`COCOEvaluator` collects a model's detections batch by batch, turns them into
-COCO results (the dataset's own category ids, XYWH boxes, RLE masks), gathers them from
-all processes and runs COCOeval on rank 0 (iouType "bbox", and "segm" when the model
-outputs masks) with the backend of :mod:`pet.evaluation.backends`, then writes the
-diagnostics of :mod:`pet.evaluation.diagnostics`. :func:`evaluate_results_file` re-scores
-a saved ``bbox.json`` or ``segm.json`` without the model. For a Pascal VOC dataset (``format`` voc)
+COCO results (the dataset's own category ids, XYWH boxes, RLE masks, flat keypoints), gathers
+them from all processes and runs COCOeval on rank 0 (iouType "bbox"; "segm" when the model
+outputs masks; "keypoints", OKS with the set's sigmas, when it outputs keypoints on a keypoint
+set) with the backend of :mod:`pet.evaluation.backends`, then writes the diagnostics of
+:mod:`pet.evaluation.diagnostics`. :func:`evaluate_results_file` re-scores a saved
+``bbox.json``, ``segm.json`` or ``keypoints.json`` without the model. For a Pascal VOC dataset (``format`` voc)
 the box metrics also hold ``VOC_AP50``, VOC's own mAP at IoU 0.5 (:mod:`pet.evaluation.voc`).
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from fvcore.common.config import CfgNode
 
 from pet.data import get_dataset
-from pet.evaluation.backends import COCOEvalResult, resolve_backend, run_cocoeval
+from pet.evaluation.backends import COCOEvalResult, KeypointTask, resolve_backend, run_cocoeval
 from pet.evaluation.build import EVALUATOR_REGISTRY
 from pet.evaluation.diagnostics import write_diagnostics
 from pet.evaluation.voc import voc_evaluate
@@ -33,14 +34,16 @@ from pet.utils.errors import DataError
 from pet.utils.files import write_json_atomic
 from pet.utils.table import format_table
 
-__all__ = ["COCOEvaluator", "evaluate_results_file", "BOX_METRICS", "write_json_atomic"]
+__all__ = ["COCOEvaluator", "evaluate_results_file", "BOX_METRICS", "KEYPOINT_METRICS", "write_json_atomic"]
 
 logger = logging.getLogger(__name__)
 
 # Names of COCOeval's first six summary numbers (the same for bbox and segm).
 BOX_METRICS = ("AP", "AP50", "AP75", "APs", "APm", "APl")
+# COCOeval's first five keypoint numbers (OKS thresholds; keypoints have no "small" range).
+KEYPOINT_METRICS = ("AP", "AP50", "AP75", "APm", "APl")
 # COCOeval iouType -> the field of a COCO result it scores.
-_RESULT_FIELD = {"bbox": "bbox", "segm": "segmentation"}
+_RESULT_FIELD = {"bbox": "bbox", "segm": "segmentation", "keypoints": "keypoints"}
 
 
 @EVALUATOR_REGISTRY.register()
@@ -99,6 +102,7 @@ class COCOEvaluator:
         self._predictions: dict[int, list[dict[str, Any]]] = {}
         # Set by the first output with masks: even a batch without detections tells what to score.
         self._with_masks = False
+        self._with_keypoints = False
         self._categories = _categories(self.dataset)
         self._left_out: Counter[int] = Counter()  # category id the ground truth lacks -> detections left out
 
@@ -119,6 +123,7 @@ class COCOEvaluator:
         for target, output in zip(targets, outputs):
             image_id = int(target["image_id"])
             self._with_masks |= "masks" in output
+            self._with_keypoints |= "keypoints" in output
             if image_id in self._predictions:  # an image seen twice (a replaced bad image) counts once
                 continue
             kept = self._predictions[image_id] = []
@@ -157,9 +162,15 @@ class COCOEvaluator:
         image_ids = sorted(predictions)
         results = [d for image_id in image_ids for d in predictions[image_id]]
         with_masks = self._with_masks or any("segmentation" in d for d in results)
+        with_keypoints = self._with_keypoints or any("keypoints" in d for d in results)
+        tasks = ["bbox", *(["segm"] if with_masks else []), *(["keypoints"] if with_keypoints else [])]
+        if with_keypoints and _keypoint_task(self.dataset) is None:
+            logger.warning(f"The model predicts keypoints but dataset '{getattr(self.dataset, 'name', '?')}' has none "
+                           "(no category names keypoints): keypoint AP is not computed.")
+            tasks.remove("keypoints")
         metrics = {}
-        for iou_type in ("bbox", "segm") if with_masks else ("bbox",):
-            task_results = _results_for(iou_type, results)
+        for iou_type in tasks:
+            task_results = _results_for(iou_type, results, self.dataset)
             if self.output_dir:
                 path = os.path.join(self.output_dir, f"{iou_type}.json")
                 write_json_atomic(path, task_results)
@@ -169,8 +180,9 @@ class COCOEvaluator:
             if iou_type == "bbox":
                 metrics[iou_type].update(_voc_metrics(self.dataset, task_results, image_ids))
             if self.diagnostics and self.output_dir:
+                categories = _scored_categories(self.dataset, iou_type)
                 write_diagnostics(self.output_dir, iou_type, result, self.dataset.coco, task_results, image_ids,
-                                  list(self._categories.values()), list(self._categories),
+                                  list(categories.values()), list(categories),
                                   self.diagnostics_iou, self.diagnostics_score)
         return metrics
 
@@ -179,7 +191,8 @@ def evaluate_results_file(dataset: Any, results_json: str, backend: str = "auto"
     """Score a saved COCO results file against ``dataset`` on all its images.
 
     Detections with ``bbox`` are scored as boxes (``bbox.json``), detections with an RLE
-    ``segmentation`` as masks (``segm.json``); a file whose detections have both gets both.
+    ``segmentation`` as masks (``segm.json``), detections with ``keypoints`` as keypoints (``keypoints.json``,
+    on a keypoint set); a file whose detections have several gets each.
     ``dataset`` and ``backend`` are as in :class:`COCOEvaluator`. Returns the same dict as ``evaluate()``.
     """
     if isinstance(dataset, str):
@@ -208,15 +221,18 @@ def evaluate_results_file(dataset: Any, results_json: str, backend: str = "auto"
         if "segmentation" in det:
             _check_rle(det["segmentation"], images[det["image_id"]], f"Detection #{i} in {results_json}")
     iou_types = [t for t, field in _RESULT_FIELD.items() if all(field in d for d in results)] if results else ["bbox"]
+    if "keypoints" in iou_types and _keypoint_task(dataset) is None:
+        raise DataError(f"{results_json} holds keypoints but dataset '{getattr(dataset, 'name', '?')}' has none (no "
+                        "category names keypoints). Was the file made on another dataset?")
     if not iou_types:
         raise DataError(f"{results_json} mixes detections with only a bbox and detections with only a segmentation; "
                         "keep boxes (bbox.json) and masks (segm.json) in separate files.")
     image_ids = sorted(images)
     backend = resolve_backend(backend)
-    metrics = {t: _metrics(_cocoeval(dataset, _results_for(t, results), image_ids, t, backend), dataset)
+    metrics = {t: _metrics(_cocoeval(dataset, _results_for(t, results, dataset), image_ids, t, backend), dataset)
                for t in iou_types}
     if "bbox" in metrics:
-        metrics["bbox"].update(_voc_metrics(dataset, _results_for("bbox", results), image_ids))
+        metrics["bbox"].update(_voc_metrics(dataset, _results_for("bbox", results, dataset), image_ids))
     return metrics
 
 
@@ -224,7 +240,9 @@ def detections_to_coco(
     output: Mapping[str, Any], image_id: int, label_to_category_id: Mapping[int, int]
 ) -> list[dict[str, Any]]:
     """One image's detections as COCO result dicts (XYWH boxes, the dataset's category ids) with
-    their masks as RLE ``segmentation`` when ``output`` has ``masks``."""
+    their masks as RLE ``segmentation`` when ``output`` has ``masks``, and their ``keypoints`` flat
+    (x1, y1, s1, x2, ...) when it has ``keypoints``: the third value is the point's score
+    (``keypoints_scores``), as detectron2 writes it (COCOeval reads only x and y of a detection)."""
     boxes = _to_numpy(output["boxes"]).astype(np.float64).reshape(-1, 4)
     scores = _to_numpy(output["scores"]).astype(np.float64).reshape(-1)
     labels = _to_numpy(output["labels"]).astype(np.int64).reshape(-1)
@@ -242,6 +260,12 @@ def detections_to_coco(
     if "masks" in output:
         for result, rle in zip(results, masks_to_rle(output["masks"])):
             result["segmentation"] = rle
+    if "keypoints" in output:
+        points = _to_numpy(output["keypoints"]).astype(np.float64).reshape(len(results), -1, 3)
+        if "keypoints_scores" in output:
+            points[..., 2] = _to_numpy(output["keypoints_scores"]).reshape(points.shape[:2])
+        for result, p in zip(results, points):
+            result["keypoints"] = [round(float(v), 3) for v in p.reshape(-1)]
     return results
 
 
@@ -254,11 +278,36 @@ def masks_to_rle(masks: Any) -> list[dict[str, Any]]:
     return [{"size": [int(v) for v in rle["size"]], "counts": rle["counts"].decode("ascii")} for rle in rles]
 
 
-def _results_for(iou_type: str, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The results without the other task's field: COCO's ``loadRes`` takes a mask's area from
-    its ``bbox`` when there is one, which would put masks in the wrong APs/APm/APl range."""
-    other = "segmentation" if iou_type == "bbox" else "bbox"
-    return [{k: v for k, v in d.items() if k != other} for d in results]
+def _results_for(iou_type: str, results: list[dict[str, Any]], dataset: Any) -> list[dict[str, Any]]:
+    """The results without the other tasks' fields: COCO's ``loadRes`` takes a mask's area from
+    its ``bbox`` when there is one, which would put masks in the wrong APs/APm/APl range. Keypoint
+    results keep their box, as detectron2's do (``loadRes`` then takes their area, which places an
+    unmatched detection in an area range, from the box, not from the points' extent), and only the
+    detections of categories with keypoints are scored."""
+    others = {"bbox": ("segmentation", "keypoints"), "segm": ("bbox", "keypoints"), "keypoints": ("segmentation",)}
+    if iou_type == "keypoints":
+        scored = set(_keypoint_task(dataset).category_ids)
+        results = [d for d in results if d["category_id"] in scored and "keypoints" in d]
+    return [{k: v for k, v in d.items() if k not in others[iou_type]} for d in results]
+
+
+def _keypoint_task(dataset: Any) -> KeypointTask | None:
+    """The sigmas and keypoint categories of ``dataset`` (:class:`~pet.data.keypoints.KeypointMeta`); None for a
+    set without keypoints."""
+    meta = getattr(dataset, "keypoint_meta", None)
+    if meta is None:
+        return None
+    ids = tuple(c["id"] for c in dataset.coco.dataset["categories"] if c.get("keypoints"))
+    return KeypointTask(tuple(meta.oks_sigmas), ids)
+
+
+def _scored_categories(dataset: Any, iou_type: str) -> dict[int, str]:
+    """The categories a task scores: all of the ground truth's, or for keypoints those with keypoints."""
+    categories = _categories(dataset)
+    if iou_type != "keypoints":
+        return categories
+    ids = set(_keypoint_task(dataset).category_ids)
+    return {cid: name for cid, name in categories.items() if cid in ids}
 
 
 def _check_rle(segmentation: Any, image: dict[str, Any], where: str) -> None:
@@ -277,17 +326,19 @@ def _cocoeval(
     if not results:
         logger.warning(f"No detections at all on dataset '{name}': {iou_type} AP is 0 wherever there is ground truth.")
     start = time.perf_counter()
-    result = run_cocoeval(dataset.coco, results, iou_type, image_ids, backend)
+    keypoints = _keypoint_task(dataset) if iou_type == "keypoints" else None
+    result = run_cocoeval(dataset.coco, results, iou_type, image_ids, backend, keypoints)
     logger.info(f"COCOeval {iou_type} summary on '{name}' ({backend}, {time.perf_counter() - start:.2f} s):\n"
                 f"{result.summary}")
     return result
 
 
 def _metrics(result: COCOEvalResult, dataset: Any) -> dict[str, float]:
-    categories = _categories(dataset)
-    metrics = {m: _percent(v) for m, v in zip(BOX_METRICS, result.stats[:6])}
+    categories = _scored_categories(dataset, result.iou_type)
+    names = KEYPOINT_METRICS if result.iou_type == "keypoints" else BOX_METRICS
+    metrics = {m: _percent(v) for m, v in zip(names, result.stats)}
     metrics.update(_per_category_ap(result, categories))
-    _log_tables(metrics, list(categories.values()), result.iou_type)
+    _log_tables(metrics, names, list(categories.values()), result.iou_type)
     return metrics
 
 
@@ -324,9 +375,9 @@ def _per_category_ap(result: COCOEvalResult, categories: Mapping[int, str]) -> d
     return metrics
 
 
-def _log_tables(metrics: dict[str, float], class_names: list[str], iou_type: str) -> None:
+def _log_tables(metrics: dict[str, float], names: Sequence[str], class_names: list[str], iou_type: str) -> None:
     logger.info(f"Evaluation results for {iou_type} (AP in %):\n" + format_table(
-        BOX_METRICS, [[f"{metrics[m]:.3f}" for m in BOX_METRICS]]
+        list(names), [[f"{metrics[m]:.3f}" for m in names]]
     ))
     cells = [(n, f"{metrics[f'AP-{n}']:.3f}") for n in class_names]
     logger.info(f"Per-category {iou_type} AP:\n" + _per_class_table(cells, "AP"))

@@ -1,6 +1,7 @@
 """What a COCO evaluation says about a detector's mistakes: PR curves, a confusion matrix, an error breakdown.
 
-:func:`write_diagnostics` writes, for one task (``bbox`` or ``segm``), next to ``bbox.json``:
+:func:`write_diagnostics` writes, for one task (``bbox`` or ``segm``; ``keypoints`` gets the PR curves
+alone, at OKS instead of IoU), next to ``bbox.json``:
 
 - ``{task}_pr_curves.png`` / ``.json``: per class, COCO's interpolated precision at its 101 recall
   points, at IoU 0.5 and averaged over IoU 0.5:0.95 (the mean of a curve is the class's AP50 / AP),
@@ -468,20 +469,23 @@ def write_diagnostics(
     paths written (module docstring).
     """
     os.makedirs(output_dir, exist_ok=True)
-    matches = match_detections(coco_gt, results, iou_type, image_ids, category_ids, iou_threshold)
+    stem = os.path.join(output_dir, iou_type)
     curves = pr_curves(result, class_names, category_ids)
+    write_json_atomic(f"{stem}_pr_curves.json", {"iou_type": iou_type, **curves})
+    pr_png = plot_pr_curves(curves["classes"], curves["recall"], f"{stem}_pr_curves.png", title=iou_type)
+    if iou_type == "keypoints":  # matching by box or mask here: the boxes' files say which box found which object
+        return [f"{stem}_pr_curves.json", pr_png]
+    matches = match_detections(coco_gt, results, iou_type, image_ids, category_ids, iou_threshold)
     matrix = confusion_matrix(matches, len(class_names), iou_threshold, score_threshold)
     errors = error_breakdown(matches, len(class_names), iou_threshold, score_threshold)
     labels = [*class_names, "background"]
-    stem = os.path.join(output_dir, iou_type)
-    write_json_atomic(f"{stem}_pr_curves.json", {"iou_type": iou_type, **curves})
     write_json_atomic(f"{stem}_confusion_matrix.json", {
         "iou_type": iou_type, "iou_threshold": iou_threshold, "score_threshold": score_threshold,
         "rows": "ground truth", "columns": "prediction", "labels": labels, "matrix": matrix.tolist()})
     write_json_atomic(f"{stem}_errors.json", {"iou_type": iou_type, **errors.to_json()})
     title = f"{iou_type}, IoU {iou_threshold:g}"
     paths = [
-        plot_pr_curves(curves["classes"], curves["recall"], f"{stem}_pr_curves.png", title=iou_type),
+        pr_png,
         plot_confusion_matrix(matrix, labels, f"{stem}_confusion_matrix.png",
                               title=f"{title}, score >= {score_threshold:g}"),
         plot_error_breakdown(errors.delta_ap, errors.counts_at_score, f"{stem}_errors.png",

@@ -3,7 +3,7 @@
 ``build_model(cfg)`` builds the ``MODEL.META_ARCHITECTURE`` entry of
 ``META_ARCH_REGISTRY``; ``pet.checkpoint.load_weights(model, path)`` loads a Pet
 checkpoint or a torchvision ``state_dict`` into it. To add a detector, backbone (or neck), RPN head,
-RoI box or mask head, or one-stage dense head, register it in the matching registry (see
+RoI box, mask or keypoint head, or one-stage dense head, register it in the matching registry (see
 :mod:`pet.modeling.registry`, which also says what each entry is called with and returns) and name it in YAML.
 """
 from pet.modeling import registry
@@ -12,6 +12,7 @@ from pet.modeling.build import build_model
 from pet.modeling.cascade_rcnn import CascadeMaskRCNN, CascadeRCNN
 from pet.modeling.faster_rcnn import FasterRCNN
 from pet.modeling.fcos import FCOS
+from pet.modeling.keypoint_rcnn import KeypointRCNN
 from pet.modeling.mask_rcnn import MaskRCNN
 from pet.modeling.registry import *  # noqa: F403 - the registries, as registry.__all__ lists them
 from pet.modeling.retinanet import RetinaNet
@@ -23,6 +24,7 @@ __all__ = [
     "convert_state_dict",
     "FasterRCNN",
     "MaskRCNN",
+    "KeypointRCNN",
     "RetinaNet",
     "FCOS",
     "CascadeRCNN",

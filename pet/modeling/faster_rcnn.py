@@ -39,6 +39,9 @@ class FasterRCNN(torch.nn.Module):
 
     # Whether the RoI heads get torchvision's mask branch and learn from target["masks"] (MaskRCNN).
     mask_on: bool = False
+    # The target fields the training forward hands to the RPN and RoI heads (MaskRCNN adds masks, KeypointRCNN
+    # keypoints).
+    target_fields: tuple[str, ...] = ("boxes", "labels")
     # state_dict prefixes of the parameters whose shapes follow MODEL.NUM_CLASSES: weights for another number
     # of classes re-initialise them when fine-tuning (pet.checkpoint.load_weights).
     class_dependent_prefixes: tuple[str, ...] = ("roi_heads.box_predictor.",)
@@ -66,8 +69,7 @@ class FasterRCNN(torch.nn.Module):
     ) -> dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]:
         sizes = image_sizes(targets)
         x = self.normalizer(images, sizes)
-        fields = ("boxes", "labels", "masks") if self.mask_on else ("boxes", "labels")
-        gt = [{k: t[k] for k in fields} for t in targets] if self.training else None
+        gt = [{k: t[k] for k in self.target_fields} for t in targets] if self.training else None
         with timed("backbone"):
             features = self.backbone(x)
         with timed("rpn"):

@@ -29,6 +29,7 @@ class MaskRCNN(FasterRCNN):
     """
 
     mask_on = True
+    target_fields = (*FasterRCNN.target_fields, "masks")
     class_dependent_prefixes = (*FasterRCNN.class_dependent_prefixes, "roi_heads.mask_predictor.mask_fcn_logits.")
 
     def __init__(self, cfg: CfgNode) -> None:

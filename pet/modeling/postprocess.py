@@ -17,7 +17,9 @@ def detections_to_original(
     detections: list[dict[str, torch.Tensor]], targets: Sequence[dict[str, Any]]
 ) -> list[dict[str, torch.Tensor]]:
     """Scale boxes by ``orig_size / image_size`` and clip them to the original image; paste
-    mask probabilities (``masks`` [N, 1, M, M], when present) into it with :func:`paste_masks`.
+    mask probabilities (``masks`` [N, 1, M, M], when present) into it with :func:`paste_masks`;
+    scale keypoints (``keypoints`` [N, K, 3], when present) by the same ratios, unclipped, as
+    torchvision's ``resize_keypoints`` does.
 
     The scale is computed in float32 as torchvision's ``resize_boxes`` does, and masks are
     pasted into the scaled boxes before clipping as torchvision's ``postprocess`` does, so
@@ -32,6 +34,10 @@ def detections_to_original(
         boxes = boxes * scale
         if "masks" in det:
             det["masks"] = paste_masks(det["masks"], boxes, (int(orig_h), int(orig_w)))
+        if "keypoints" in det:
+            keypoints = det["keypoints"]
+            ratios = torch.stack([ratio_w, ratio_h, torch.ones_like(ratio_w)]).to(keypoints.dtype)
+            det["keypoints"] = keypoints * ratios
         det["boxes"] = clip_boxes_to_image(boxes, (int(orig_h), int(orig_w)))
     return detections
 

@@ -1,16 +1,17 @@
 """The registries a model is assembled from; each is selected by a config key.
 
-==========================  ==============================  =====================================================
-registry                    config key                      an entry is called as
-==========================  ==============================  =====================================================
-``META_ARCH_REGISTRY``      ``MODEL.META_ARCHITECTURE``     ``Entry(cfg) -> nn.Module``
-``BACKBONE_REGISTRY``       ``MODEL.BACKBONE.TYPE``         ``entry(cfg) -> nn.Module``
-``RPN_HEAD_REGISTRY``       ``MODEL.RPN.HEAD_NAME``         ``Entry(cfg, in_channels, num_anchors) -> nn.Module``
-``ROI_BOX_HEAD_REGISTRY``   ``MODEL.ROI_BOX_HEAD.NAME``     ``Entry(cfg, in_channels) -> nn.Module``
-``ROI_MASK_HEAD_REGISTRY``  ``MODEL.ROI_MASK_HEAD.NAME``    ``Entry(cfg, in_channels) -> nn.Module``
-``DENSE_HEAD_REGISTRY``     ``MODEL.RETINANET.HEAD_NAME``,  ``Entry(cfg, in_channels, num_anchors, num_classes)``
-                            ``MODEL.FCOS.HEAD_NAME``        ``-> nn.Module``
-==========================  ==============================  =====================================================
+==============================  ================================  =====================================================
+registry                        config key                        an entry is called as
+==============================  ================================  =====================================================
+``META_ARCH_REGISTRY``          ``MODEL.META_ARCHITECTURE``       ``Entry(cfg) -> nn.Module``
+``BACKBONE_REGISTRY``           ``MODEL.BACKBONE.TYPE``           ``entry(cfg) -> nn.Module``
+``RPN_HEAD_REGISTRY``           ``MODEL.RPN.HEAD_NAME``           ``Entry(cfg, in_channels, num_anchors) -> nn.Module``
+``ROI_BOX_HEAD_REGISTRY``       ``MODEL.ROI_BOX_HEAD.NAME``       ``Entry(cfg, in_channels) -> nn.Module``
+``ROI_MASK_HEAD_REGISTRY``      ``MODEL.ROI_MASK_HEAD.NAME``      ``Entry(cfg, in_channels) -> nn.Module``
+``ROI_KEYPOINT_HEAD_REGISTRY``  ``MODEL.ROI_KEYPOINT_HEAD.NAME``  ``Entry(cfg, in_channels) -> nn.Module``
+``DENSE_HEAD_REGISTRY``         ``MODEL.RETINANET.HEAD_NAME``,    ``Entry(cfg, in_channels, num_anchors, num_classes)``
+                                ``MODEL.FCOS.HEAD_NAME``          ``-> nn.Module``
+==============================  ================================  =====================================================
 
 What each entry must return (``in_channels`` is the backbone's ``out_channels``; ``A`` = ``num_anchors``
 anchors per feature-map cell; ``R`` RoIs):
@@ -27,6 +28,9 @@ anchors per feature-map cell; ``R`` RoIs):
 - **RoI mask head**: pooled features ``[R, in_channels, M, M]`` (M = ``MODEL.ROI_MASK_HEAD.POOLER_RESOLUTION``)
   to ``[R, out_channels, M, M]``, with an ``out_channels`` attribute: the mask predictor (2x deconvolution
   and per-class logits) is built on it.
+- **RoI keypoint head**: pooled features ``[R, in_channels, P, P]`` (P = ``MODEL.ROI_KEYPOINT_HEAD.POOLER_RESOLUTION``)
+  to ``[R, out_channels, P, P]``, with an ``out_channels`` attribute: the keypoint predictor (2x deconvolution
+  to one heatmap logit map per keypoint, then 2x bilinear up-sampling) is built on it.
 - **dense head** (one-stage detectors): ``forward(features: list[Tensor]) -> dict`` of tensors over all
   levels' anchors concatenated, ``"cls_logits"`` ``[B, sum(h * w * A), num_classes]`` and
   ``"bbox_regression"`` ``[B, sum(h * w * A), 4]`` (FCOS also ``"bbox_ctrness"`` ``[B, sum(h * w * A), 1]``),
@@ -60,6 +64,7 @@ __all__ = [
     "RPN_HEAD_REGISTRY",
     "ROI_BOX_HEAD_REGISTRY",
     "ROI_MASK_HEAD_REGISTRY",
+    "ROI_KEYPOINT_HEAD_REGISTRY",
     "DENSE_HEAD_REGISTRY",
 ]
 
@@ -67,4 +72,5 @@ BACKBONE_REGISTRY = Registry("backbone")
 RPN_HEAD_REGISTRY = Registry("RPN head")
 ROI_BOX_HEAD_REGISTRY = Registry("RoI box head")
 ROI_MASK_HEAD_REGISTRY = Registry("RoI mask head")
+ROI_KEYPOINT_HEAD_REGISTRY = Registry("RoI keypoint head")
 DENSE_HEAD_REGISTRY = Registry("dense head")

@@ -9,16 +9,19 @@ from the config's first test dataset when its categories can be read, else the l
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fvcore.common.config import CfgNode
 
-from pet.data.catalog import dataset_categories, register_custom_datasets
+from pet.data.catalog import dataset_categories, get_dataset, get_dataset_spec, register_custom_datasets
 from pet.data.categories import LabelSpace
+from pet.data.keypoints import KeypointMeta
 from pet.utils.errors import ConfigError, PetError
 
-__all__ = ["CHECKPOINT_KEY", "ONNX_METADATA_KEY", "model_label_space", "label_space_from_checkpoint"]
+__all__ = ["CHECKPOINT_KEY", "ONNX_METADATA_KEY", "model_label_space", "label_space_from_checkpoint",
+           "model_keypoint_meta"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,3 +70,25 @@ def _dataset_label_space(cfg: CfgNode, name: str) -> LabelSpace | None:
         return LabelSpace.build(cfg.MODEL.LABEL_SPACE, categories, cfg.MODEL.NUM_CLASSES)
     except (PetError, OSError):
         return None
+
+
+def model_keypoint_meta(cfg: CfgNode) -> KeypointMeta | None:
+    """What a keypoint model's points are called and how they join (the outputs' CSV columns, JSON names and
+    drawn skeleton): the points of TEST.DATASETS[0] when its annotation file is there and has
+    ``MODEL.ROI_KEYPOINT_HEAD.NUM_KEYPOINTS`` points, else ``kp_0``, ``kp_1``, ... without a skeleton; None for a
+    model without keypoints. Checkpoints do not record the points, so the test set names them."""
+    if cfg.MODEL.META_ARCHITECTURE != "KeypointRCNN":
+        return None
+    k = int(cfg.MODEL.ROI_KEYPOINT_HEAD.NUM_KEYPOINTS)
+    register_custom_datasets(cfg)
+    meta = None
+    try:
+        if cfg.TEST.DATASETS and os.path.exists(get_dataset_spec(cfg.TEST.DATASETS[0]).path):
+            meta = get_dataset(cfg.TEST.DATASETS[0]).keypoint_meta
+    except (PetError, OSError):
+        meta = None
+    if meta is not None and meta.num_keypoints == k:
+        return meta
+    logger.warning(f"The keypoint model's {k} points are named kp_0 .. kp_{k - 1}: TEST.DATASETS[0] is not there to "
+                   "name them.")
+    return KeypointMeta.build([f"kp_{i}" for i in range(k)], flip_map=list(range(k)))

@@ -68,7 +68,9 @@ class Detections:
     - ``masks``: uint8 [N, H, W] of 0/1 for a mask model, else None;
     - ``path``: the file (for a video frame, the video), as given or found; ``frame``: the frame's index in
       the video (from 0), None for an image; ``height``, ``width``: the picture's size;
-    - ``image``: the picture (BGR uint8 [H, W, 3], as opencv reads) with ``stream(..., with_images=True)``.
+    - ``image``: the picture (BGR uint8 [H, W, 3], as opencv reads) with ``stream(..., with_images=True)``;
+    - ``keypoints``: float32 [N, K, 3] (x, y, score) for a keypoint model, else None; the score is the point's
+      heatmap logit (torchvision's ``keypoints_scores``), not a probability. Tiled prediction has none.
     """
 
     boxes: np.ndarray
@@ -81,6 +83,7 @@ class Detections:
     width: int = 0
     masks: np.ndarray | None = None
     image: np.ndarray | None = field(default=None, repr=False)
+    keypoints: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.scores)
@@ -89,7 +92,8 @@ class Detections:
         """The detections where the boolean or index array ``keep`` says."""
         return Detections(self.boxes[keep], self.scores[keep], self.labels[keep],
                           [self.names[i] for i in np.arange(len(self))[keep]], self.path, self.frame, self.height,
-                          self.width, None if self.masks is None else self.masks[keep], self.image)
+                          self.width, None if self.masks is None else self.masks[keep], self.image,
+                          None if self.keypoints is None else self.keypoints[keep])
 
 
 @dataclass
@@ -297,13 +301,15 @@ class Predictor:
         for picture, count in zip(work.pictures, work.samples_per_picture):
             mine = outputs[first:first + count]
             first += count
+            keypoints = None
             if self.tiles is None:
                 boxes, scores, labels = mine[0]["boxes"], mine[0]["scores"], mine[0]["labels"]
                 masks = mine[0].get("masks")
+                keypoints = _keypoints(mine[0])
             else:
                 boxes, scores, labels = self._merge(picture, mine)
                 masks = None
-            results.append(self._detections(picture, boxes, scores, labels, masks))
+            results.append(self._detections(picture, boxes, scores, labels, masks, keypoints))
         return results
 
     def _merge(self, picture: Picture, outputs: list[dict[str, torch.Tensor]]
@@ -327,7 +333,7 @@ class Predictor:
         return merge_tiles(self.tiles, boxes, scores, labels, tile_ids, tiles, (picture.height, picture.width))
 
     def _detections(self, picture: Picture, boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor,
-                    masks: torch.Tensor | None) -> Detections:
+                    masks: torch.Tensor | None, keypoints: np.ndarray | None = None) -> Detections:
         scores = scores.float().cpu().numpy()
         keep = np.arange(len(scores))
         if self.score_thresh is not None:
@@ -345,7 +351,18 @@ class Predictor:
             boxes=boxes.float().cpu().numpy()[keep].reshape(-1, 4), scores=scores[keep],
             labels=self._category_ids[labels], names=[self.label_space.names[i - 1] for i in labels.tolist()],
             path=picture.path, frame=picture.frame, height=picture.height, width=picture.width,
-            masks=None if masks is None else masks.cpu().numpy().astype(np.uint8, copy=False)[keep], image=image)
+            masks=None if masks is None else masks.cpu().numpy().astype(np.uint8, copy=False)[keep], image=image,
+            keypoints=None if keypoints is None else keypoints[keep])
+
+
+def _keypoints(output: dict[str, torch.Tensor]) -> np.ndarray | None:
+    """A keypoint model's points as float32 [N, K, 3] (x, y, score); None for other models."""
+    if "keypoints" not in output:
+        return None
+    points = output["keypoints"].float().cpu().numpy().copy()
+    if "keypoints_scores" in output:
+        points[..., 2] = output["keypoints_scores"].float().cpu().numpy()
+    return points
 
 
 def _onnx_model(path: str) -> tuple[torch.nn.Module, list[dict[str, Any]] | None]:

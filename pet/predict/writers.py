@@ -3,17 +3,22 @@
 Under the output folder (docs/predict.md):
 
 - ``csv``: ``predictions.csv``, one row per detection: ``image,xmin,ymin,xmax,ymax,score,label,name``
-  (``image``: the path as given or found, ``<video>#<frame>`` for a frame; ``label``: the category id).
+  (``image``: the path as given or found, ``<video>#<frame>`` for a frame; ``label``: the category id);
+  a keypoint model adds ``<point>_x,<point>_y,<point>_score`` per point, in the set's order.
 - ``coco``: ``predictions.json`` in COCO results format. Image ids come from ``--ann`` (matched by the
   file's path under the input folder, else by its base name; pictures it lacks are left out, with a
   warning), else are numbered 1, 2, ... in order, with ``predictions_images.json`` beside it (a COCO
   ``images`` list: id, file_name under the input folder, path, width, height, and frame).
-- ``json``: ``json/<name>.json`` per picture: its path, size, and detections (box, score, label, name).
+- ``json``: ``json/<name>.json`` per picture: its path, size, and detections (box, score, label, name; a
+  keypoint model adds ``keypoints``, ``[[x, y, score], ...]`` per detection, and the file ``keypoint_names``).
 - ``yolo``: ``labels/<name>.txt`` per picture in Ultralytics' convention (``cls cx cy w h conf``, class
-  index from 0, coordinates normalised by the picture's size) and ``data.yaml`` with the names, each once:
+  index from 0, coordinates normalised by the picture's size; a keypoint model's line is Ultralytics' pose
+  line ``cls cx cy w h x1 y1 s1 ... conf``, each point normalised, ``s`` its score, and ``data.yaml`` gains
+  ``kpt_shape`` [K, 3] and ``flip_idx``) and ``data.yaml`` with the names, each once:
   a name the label space repeats (``N/A`` at the ten unused rows of a COCO-layout model) gets its category
   id appended (``N/A_12``), as YOLO readers refuse a repeated name.
-- ``vis``: ``vis/<file>`` the picture with the detections scoring ``vis_thresh`` or more drawn; a video
+- ``vis``: ``vis/<file>`` the picture with the detections scoring ``vis_thresh`` or more drawn (keypoints as
+  dots joined by the set's skeleton); a video
   becomes ``vis/<video name>.mp4`` (mp4v, the codec opencv-python-headless has) of the frames predicted.
 - ``crops``: ``crops/<class name>/<name>_<k>.jpg``, the k-th detection of the picture cut out. The class
   folder is always one level under ``crops/``: ``/`` (and ``\\`` on Windows) become ``_`` (``N/A`` -> ``N_A``),
@@ -44,6 +49,7 @@ import numpy as np
 import yaml
 
 from pet.data.categories import LabelSpace
+from pet.data.keypoints import KeypointMeta
 from pet.evaluation.coco import detections_to_coco, masks_to_rle
 from pet.predict.predictor import Detections
 from pet.predict.sources import Source
@@ -51,7 +57,7 @@ from pet.utils.errors import ConfigError, DataError
 from pet.utils.files import atomic_open, atomic_path, write_bytes_atomic
 from pet.utils.visualization import draw_detections
 
-__all__ = ["FORMATS", "PredictionWriter", "check_writable", "parse_formats"]
+__all__ = ["FORMATS", "PredictionWriter", "check_writable", "csv_keypoint_columns", "parse_formats"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +96,15 @@ def _number(value: float, digits: int) -> float:
 class PredictionWriter:
     """Writes every chosen format for each :class:`Detections` given to :meth:`write` (which need
     ``det.image`` for ``vis`` and ``crops``: see :attr:`needs_images`). Use it as a context manager: the files
-    that grow over the run are completed when the block ends normally, and discarded when it raises."""
+    that grow over the run are completed when the block ends normally, and discarded when it raises.
+    ``keypoints`` (a keypoint model's :class:`~pet.data.keypoints.KeypointMeta`) names the points in the CSV
+    header, the JSON files and data.yaml, and gives ``vis`` its skeleton."""
 
     def __init__(self, output_dir: str, formats: Sequence[str], label_space: LabelSpace, source: Source, *,
-                 vis_thresh: float = 0.5, ann: str | None = None, vid_stride: int = 1) -> None:
+                 vis_thresh: float = 0.5, ann: str | None = None, vid_stride: int = 1,
+                 keypoints: KeypointMeta | None = None) -> None:
         self.output_dir = output_dir
+        self.keypoints = keypoints
         self.formats = list(formats)
         self.label_space = label_space
         self.source = source
@@ -126,7 +136,7 @@ class PredictionWriter:
             f = self._stack.enter_context(atomic_open(self.path("predictions.csv"), "w", newline="", encoding="utf-8",
                                                       errors="surrogateescape"))
             self._csv = csv.writer(f)
-            self._csv.writerow(CSV_COLUMNS)
+            self._csv.writerow(CSV_COLUMNS + csv_keypoint_columns(self.keypoints))
         if "coco" in self.formats:
             self._coco = self._stack.enter_context(atomic_open(self.path("predictions.json"), "w"))
             self._coco.write("[")
@@ -137,8 +147,14 @@ class PredictionWriter:
                 self._table.write('{"categories": ' + json.dumps(categories) + ', "images": [')
         if "yolo" in self.formats:
             names = _yolo_names(self.label_space)
-            text = ("# Class index -> name of the YOLO label files in labels/ (cls cx cy w h conf, normalised).\n"
-                    + yaml.safe_dump({"nc": len(names), "names": names}, sort_keys=False, allow_unicode=True))
+            content: dict[str, Any] = {"nc": len(names), "names": names}
+            line = "cls cx cy w h conf"
+            if self.keypoints is not None:
+                content.update(kpt_shape=[self.keypoints.num_keypoints, 3], flip_idx=list(self.keypoints.flip_map),
+                               kpt_names=list(self.keypoints.names))
+                line = "cls cx cy w h x1 y1 s1 ... conf"
+            text = (f"# Class index -> name of the YOLO label files in labels/ ({line}, normalised).\n"
+                    + yaml.safe_dump(content, sort_keys=False, allow_unicode=True))
             write_bytes_atomic(self.path("data.yaml"), text.encode("utf-8"))
         return self
 
@@ -178,8 +194,10 @@ class PredictionWriter:
     # ----------------------------------------------------------------- formats
     def _write_csv(self, det: Detections) -> None:
         image = _display(det)
-        for box, score, label, name in zip(det.boxes, det.scores, det.labels, det.names):
-            self._csv.writerow([image, *(_number(v, 3) for v in box), _number(score, 6), int(label), name])
+        points = _points(det)
+        for box, score, label, name, p in zip(det.boxes, det.scores, det.labels, det.names, points):
+            row = [image, *(_number(v, 3) for v in box), _number(score, 6), int(label), name]
+            self._csv.writerow(row + [_number(v, 3) for v in p.reshape(-1)])
 
     def _write_coco(self, det: Detections, name: str) -> None:
         if self._ann_ids is not None:
@@ -199,6 +217,8 @@ class PredictionWriter:
         output = {"boxes": det.boxes, "scores": det.scores, "labels": det.labels}
         if det.masks is not None:
             output["masks"] = det.masks
+        if det.keypoints is not None:
+            output["keypoints"] = det.keypoints  # (x, y, score): the score becomes the third value
         identity = {int(cid): int(cid) for cid in self.label_space.category_ids}  # labels are category ids already
         for result in detections_to_coco(output, int(image_id), identity):
             self._coco.write(("," if self._coco_count else "") + "\n" + json.dumps(result))
@@ -210,25 +230,34 @@ class PredictionWriter:
         if det.masks is not None:
             for entry, rle in zip(detections, masks_to_rle(det.masks)):
                 entry["segmentation"] = rle
+        if det.keypoints is not None:
+            for entry, points in zip(detections, det.keypoints):
+                entry["keypoints"] = [[_number(v, 3) for v in p] for p in points]
         record: dict[str, Any] = {"image": det.path, "width": det.width, "height": det.height}
         if det.frame is not None:
             record["frame"] = det.frame
+        if self.keypoints is not None:
+            record["keypoint_names"] = list(self.keypoints.names)
         record["detections"] = detections
         write_bytes_atomic(self.path("json", f"{name}.json"), json.dumps(record).encode("utf-8"))
 
     def _write_yolo(self, det: Detections, name: str) -> None:
         lines = []
-        for (x0, y0, x1, y1), score, label in zip(det.boxes.tolist(), det.scores.tolist(), det.labels.tolist()):
+        scale = np.array([det.width, det.height, 1.0])
+        for (x0, y0, x1, y1), score, label, points in zip(det.boxes.tolist(), det.scores.tolist(), det.labels.tolist(),
+                                                          _points(det)):
             cx, cy = (x0 + x1) / 2 / det.width, (y0 + y1) / 2 / det.height
             w, h = (x1 - x0) / det.width, (y1 - y0) / det.height
-            lines.append(f"{self._class_index[label]} {cx:.6g} {cy:.6g} {w:.6g} {h:.6g} {score:.6g}\n")
+            pose = "".join(f" {v:.6g}" for v in (points / scale).reshape(-1))  # Ultralytics' pose line: x y s
+            lines.append(f"{self._class_index[label]} {cx:.6g} {cy:.6g} {w:.6g} {h:.6g}{pose} {score:.6g}\n")
         write_bytes_atomic(self.path("labels", f"{name}.txt"), "".join(lines).encode("utf-8"))
 
     def _write_vis(self, det: Detections) -> None:
         shown = det.select(det.scores >= self.vis_thresh)
         rgb = cv2.cvtColor(_require_image(det), cv2.COLOR_BGR2RGB)
-        drawn = cv2.cvtColor(draw_detections(rgb, shown.boxes, shown.names, shown.scores, masks=shown.masks),
-                             cv2.COLOR_RGB2BGR)
+        skeleton = self.keypoints.skeleton if self.keypoints is not None else ()
+        drawn = cv2.cvtColor(draw_detections(rgb, shown.boxes, shown.names, shown.scores, masks=shown.masks,
+                                             keypoints=shown.keypoints, skeleton=skeleton), cv2.COLOR_RGB2BGR)
         rel = self.source.relpath(det.path)
         if det.frame is None:
             self._end_video()
@@ -270,6 +299,18 @@ class PredictionWriter:
                 continue
             write_bytes_atomic(self.path("crops", _class_folder(class_name), f"{name}_{k}{ext}"),
                                _encode(image[y0:y1, x0:x1], ext))
+
+
+def csv_keypoint_columns(keypoints: KeypointMeta | None) -> tuple[str, ...]:
+    """The CSV columns a keypoint model adds after :data:`CSV_COLUMNS`: ``<point>_x, <point>_y, <point>_score``."""
+    if keypoints is None:
+        return ()
+    return tuple(f"{name}_{part}" for name in keypoints.names for part in ("x", "y", "score"))
+
+
+def _points(det: Detections) -> np.ndarray:
+    """The detections' keypoints [N, K, 3], or [N, 0, 3] for a model without them (no columns, no values)."""
+    return det.keypoints if det.keypoints is not None else np.zeros((len(det), 0, 3), np.float32)
 
 
 def _class_folder(class_name: str) -> str:

@@ -69,12 +69,17 @@ def draw_detections(
     scores: Sequence[float] | None = None,
     gt_boxes: np.ndarray | None = None,
     masks: np.ndarray | None = None,
+    keypoints: np.ndarray | None = None,
+    skeleton: Sequence[Sequence[int]] = (),
 ) -> np.ndarray:
     """An RGB copy of ``image_rgb`` with ground truth (thin white) and detections (class, score) drawn.
 
     Each box gets a colour per class name and a ``name score`` tag (just ``name`` when
     ``scores`` is None, e.g. for ground truth). ``masks`` (bool or 0/1 [N, H, W], one per
     box) are blended in under the boxes in the same colour, so overlapping instances stay visible.
+    ``keypoints`` ([N, K, 3], one row per box) are drawn as dots in the box's colour, joined by the
+    ``skeleton``'s lines (1-based pairs of points, COCO's convention); a point whose third value is 0
+    (unlabelled ground truth) is not drawn.
     """
     canvas = np.ascontiguousarray(image_rgb.copy())
     colors = [_class_color(label) for label in labels]
@@ -92,6 +97,16 @@ def draw_detections(
         y_text = max(y0, th + 2)
         cv2.rectangle(canvas, (x0, y_text - th - 2), (x0 + tw + 2, y_text), color, -1)
         cv2.putText(canvas, text, (x0 + 1, y_text - 2), cv2.FONT_HERSHEY_SIMPLEX, 0.4, (0, 0, 0), 1, cv2.LINE_AA)
+    for points, color in zip([] if keypoints is None else keypoints, colors):
+        xy = [(int(round(x)), int(round(y))) for x, y in np.asarray(points)[:, :2]]
+        drawn = np.asarray(points)[:, 2] != 0
+        for a, b in skeleton:
+            if drawn[a - 1] and drawn[b - 1]:
+                cv2.line(canvas, xy[a - 1], xy[b - 1], color, 1, cv2.LINE_AA)
+        for (x, y), shown in zip(xy, drawn):
+            if shown:
+                cv2.circle(canvas, (x, y), 3, color, -1, cv2.LINE_AA)
+                cv2.circle(canvas, (x, y), 3, (0, 0, 0), 1, cv2.LINE_AA)
     return canvas
 
 

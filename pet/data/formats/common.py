@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pet.data.keypoints import KeypointMeta
 from pet.utils.errors import DataError
 
 __all__ = ["ReadAnnotations", "ClassList", "check_class_names", "image_size", "exif_orientation", "relative_to",
@@ -31,12 +32,13 @@ class ReadAnnotations:
     ``image_root``), ``origins``, annotation id -> where it was read (for messages about that box), and
     ``label_files``, the label files it read or looked for besides the dataset's path (YOLO's ``.txt`` and the
     split's folders or list files, VOC's split file and XMLs), whose edits the dataset cache must notice
-    (:func:`pet.data.catalog.get_dataset`)."""
+    (:func:`pet.data.catalog.get_dataset`). ``keypoint_meta``: a pose set's points (YOLO's ``kpt_shape``)."""
 
     coco: dict[str, Any]
     image_root: str
     origins: dict[int, str] = field(default_factory=dict)
     label_files: list[str] = field(default_factory=list)
+    keypoint_meta: KeypointMeta | None = None
 
 
 class ClassList:

@@ -10,10 +10,14 @@ names them ``class_0``, ``class_1``, ...). Each image's label file is its path w
 replaced by ``/labels/`` and the extension by ``.txt`` (Ultralytics' ``img2label_paths``). A label
 line is ``class cx cy w h`` normalised by the image size, or ``class x1 y1 x2 y2 ...`` (three or
 more points), a polygon, used as the segmentation and its extent as the box; in a pose set
-(``kpt_shape`` in the yaml) it is the box alone or the box and its keypoints (read past), nothing
-else. A missing or empty label file makes a background image. A line repeated in one file is read
-once, with a warning, as Ultralytics does: a repeat is one object counted twice, a sure miss in
-evaluation.
+(``kpt_shape: [K, 2 or 3]`` in the yaml) it is the box alone or the box and its K keypoints
+(``x y`` or ``x y visibility`` each, normalised like the box; with two values a point is visible
+(COCO's 2) except one at exactly (0, 0), which converters write for a missing point (0); a box alone has
+none labelled), nothing else. ``flip_idx`` (the point each one becomes in a mirrored image; default:
+each stays itself) and ``kpt_names`` (a list, or a dict {index: name}; default ``kp_0``, ``kp_1``, ...)
+make the set's :class:`~pet.data.keypoints.KeypointMeta`. A missing or empty label file makes a
+background image. A line repeated in one file is read once, with a warning, as Ultralytics does: a
+repeat is one object counted twice, a sure miss in evaluation.
 
 Images are numbered 1..N in sorted path order (Ultralytics' order); their sizes come from the
 file headers, after EXIF orientation, as opencv decodes them. Class index i is ``names[i]``, id
@@ -39,6 +43,7 @@ from pet.data.formats.common import (
     image_size,
     relative_to,
 )
+from pet.data.keypoints import KeypointMeta
 from pet.utils.errors import DataError
 
 __all__ = ["read_yolo", "label_path"]
@@ -71,6 +76,8 @@ def read_yolo(data_yaml: str, split: str, classes: Sequence[str] | None = None) 
     class_list = ClassList(classes, default=names)
     image_paths, label_files = _list_images(config[split], root, data_yaml, split)
     category_ids = class_list.ids()  # known up-front: `names` (or `classes`) lists every class
+    kpt_shape = _kpt_shape(config, data_yaml)
+    keypoint_meta = _keypoint_meta(config, kpt_shape, data_yaml) if kpt_shape else None
 
     images, annotations, origins = [], [], {}
     for image_id, path in enumerate(image_paths, 1):
@@ -78,15 +85,17 @@ def read_yolo(data_yaml: str, split: str, classes: Sequence[str] | None = None) 
         label_files.append(labels)
         width, height = image_size(path, labels if os.path.isfile(labels) else data_yaml)
         images.append({"id": image_id, "file_name": relative_to(path, root), "width": width, "height": height})
-        for line_no, cls, values in _read_label_file(labels, names, config.get("kpt_shape")):
+        for line_no, cls, values, points in _read_label_file(labels, names, kpt_shape):
             where = f"{labels}:{line_no}"
             class_list.see(names[cls], where)
             ann = _annotation(len(annotations) + 1, image_id, values, width, height)
             ann["category_id"] = category_ids[names[cls]]
+            if kpt_shape:
+                ann["keypoints"] = _keypoints(points, kpt_shape, width, height)
             annotations.append(ann)
             origins[ann["id"]] = where
     coco = {"images": images, "annotations": annotations, "categories": class_list.categories()}
-    return ReadAnnotations(coco, root, origins, label_files)
+    return ReadAnnotations(coco, root, origins, label_files, keypoint_meta)
 
 
 def _read_yaml(data_yaml: str) -> dict[str, Any]:
@@ -127,6 +136,56 @@ def _names(config: dict[str, Any], data_yaml: str) -> list[str]:
     return check_class_names(names, data_yaml)
 
 
+def _kpt_shape(config: dict[str, Any], data_yaml: str) -> tuple[int, int] | None:
+    """``kpt_shape`` ([K, 2] or [K, 3]) of a pose set, checked; None for a detection set."""
+    shape = config.get("kpt_shape")
+    if shape is None:
+        return None
+    if (not isinstance(shape, list) or len(shape) != 2 or not all(isinstance(v, int) for v in shape)
+            or shape[0] < 1 or shape[1] not in (2, 3)):
+        raise DataError(f"{data_yaml}: kpt_shape {shape!r} must be [K, 2] or [K, 3] (K keypoints of x, y or x, y, "
+                        "visibility), as in Ultralytics' pose sets.")
+    return shape[0], shape[1]
+
+
+def _keypoint_meta(config: dict[str, Any], kpt_shape: tuple[int, int], data_yaml: str) -> KeypointMeta:
+    """The points of a pose set: ``kpt_names`` (default ``kp_<i>``) and ``flip_idx`` (default: no point swaps)."""
+    k = kpt_shape[0]
+    names = config.get("kpt_names")
+    if isinstance(names, dict):  # Ultralytics writes {0: nose, ...}, or per class {0: [nose, ...]}: one list for all
+        names = next(iter(names.values())) if names and isinstance(next(iter(names.values())), list) else \
+            [names.get(i, names.get(str(i))) for i in range(len(names))]
+    names = names or [f"kp_{i}" for i in range(k)]
+    if len(names) != k:
+        raise DataError(f"{data_yaml}: kpt_names lists {len(names)} names but kpt_shape says {k} keypoints. Make them "
+                        "agree.")
+    flip = config.get("flip_idx")
+    if flip is None:
+        flip = list(range(k))
+    if not isinstance(flip, list) or len(flip) != k or not all(isinstance(i, int) for i in flip):
+        raise DataError(f"{data_yaml}: flip_idx {flip!r} must list {k} point indices (point i becomes point "
+                        f"flip_idx[i] in a horizontally flipped image), as kpt_shape says {k} keypoints.")
+    try:
+        return KeypointMeta.build([str(n) for n in names], flip_map=flip)
+    except DataError as exc:
+        raise DataError(f"{data_yaml}: {exc}") from None
+
+
+def _keypoints(points: np.ndarray | None, kpt_shape: tuple[int, int], width: int, height: int) -> list[float]:
+    """COCO's flat (x, y, visibility) * K in pixels of a label line's normalised points (None: a box alone)."""
+    k, ndim = kpt_shape
+    if points is None:
+        return [0.0] * (3 * k)
+    points = points.reshape(k, ndim)
+    xy = np.round(points[:, :2] * np.array([width, height], dtype=np.float64), _DECIMALS)
+    if ndim == 3:
+        visibility = points[:, 2]
+    else:  # x y alone: labelled and visible, but for the (0, 0) converters write for a missing point
+        visibility = np.where((points[:, 0] == 0) & (points[:, 1] == 0), 0.0, 2.0)
+    xy[visibility == 0] = 0.0
+    return np.concatenate([xy, visibility[:, None]], axis=1).reshape(-1).tolist()
+
+
 def _list_images(source: Any, root: str, data_yaml: str, split: str) -> tuple[list[str], list[str]]:
     """Image paths of a split, sorted (Ultralytics sorts the images of all its sources together), and where they
     were listed: every folder searched and every list file, whose times change when an image is added or removed
@@ -156,14 +215,15 @@ def _list_images(source: Any, root: str, data_yaml: str, split: str) -> tuple[li
 
 
 def _read_label_file(
-    path: str, names: Sequence[str], kpt_shape: Any
-) -> list[tuple[int, int, np.ndarray]]:
-    """``(line number, class index, values)`` of each label line; a missing file has none (a background image)."""
+    path: str, names: Sequence[str], kpt_shape: tuple[int, int] | None
+) -> list[tuple[int, int, np.ndarray, np.ndarray | None]]:
+    """``(line number, class index, box or polygon values, keypoint values or None)`` of each label line; a missing
+    file has none (a background image)."""
     if not os.path.isfile(path):
         return []
     with open(path, encoding="utf-8-sig") as f:
         lines = f.read().splitlines()
-    box_values = 5 if kpt_shape is None else 5 + int(np.prod(kpt_shape))  # a pose set: the box, then keypoints
+    box_values = 5 if kpt_shape is None else 5 + kpt_shape[0] * kpt_shape[1]  # a pose set: the box, then keypoints
     rows, seen, duplicates = [], set(), 0
     for line_no, line in enumerate(lines, 1):
         fields = line.split()
@@ -178,9 +238,10 @@ def _read_label_file(
             raise DataError(f"{where}: '{line.strip()[:80]}' is not numbers; a YOLO label line is "
                             "'class cx cy w h' (or 'class x1 y1 x2 y2 ...' for a polygon).")
         if kpt_shape is not None and len(values) not in (5, box_values):  # not a polygon: a pose set has none
-            raise DataError(f"{where}: {len(values)} values; with kpt_shape {kpt_shape} in the data.yaml a label line "
-                            f"is 'class cx cy w h' and {box_values - 5} keypoint values ({box_values} in all). Fix "
-                            "the line, or the data.yaml's kpt_shape.")
+            raise DataError(f"{where}: {len(values)} values; with kpt_shape {list(kpt_shape)} in the data.yaml a label "
+                            f"line is 'class cx cy w h' and {box_values - 5} keypoint values ({box_values} in all). "
+                            "Fix the line, or the data.yaml's kpt_shape.")
+        points = values[5:] if kpt_shape is not None and len(values) > 5 else None
         if kpt_shape is not None:
             values = values[:5]
         if len(values) != 5 and (len(values) < 7 or len(values) % 2 == 0):
@@ -195,11 +256,12 @@ def _read_label_file(
             raise DataError(f"{where}: coordinates {fields[1:][:8]} are not normalised to [0, 1] (YOLO labels "
                             "are fractions of the image width and height; these look like pixels). Divide them by "
                             "the image size.")
-        if tuple(values) in seen:
+        key = tuple(values) + (tuple(points) if points is not None else ())
+        if key in seen:
             duplicates += 1
             continue
-        seen.add(tuple(values))
-        rows.append((line_no, int(cls), coords))
+        seen.add(key)
+        rows.append((line_no, int(cls), coords, points))
     if duplicates:
         logger.warning(f"{path}: removed {duplicates} duplicate label lines (each repeats an earlier line of the "
                        "file), as Ultralytics does. Remove them from the file to silence this.")
