@@ -133,10 +133,6 @@ class LaunchInfo:
     max_restarts: int
     host: str
 
-    def describe(self) -> str:
-        return (f"rank {self.rank} of {self.world_size}, local rank {self.local_rank} of {self.local_world_size} "
-                f"on node {self.node_rank} ({self.host})")
-
 
 def launch_info(environ: Mapping[str, str], launcher: str) -> LaunchInfo:
     """Read :class:`LaunchInfo` from torchrun's variables in ``environ`` (after :func:`slurm_environment`)."""
