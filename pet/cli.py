@@ -27,11 +27,14 @@ from pet.engine.build import build_test_model
 from pet.engine.models import resolve_device, unwrap_model
 from pet.engine.trainer import Trainer
 from pet.utils import comm
-from pet.utils.errors import PetError
+from pet.utils.errors import ConfigError, PetError
 from pet.utils.files import write_failure_remedy
+from pet.utils.launch_env import LaunchInfo, launch_info, slurm_environment, threads_per_process
 from pet.utils.logger import setup_logger
 from pet.utils.model_summary import log_model_summary
+from pet.utils.process_group import PEER_LOST_EXIT_CODE, collective_failure, join_process_group
 from pet.utils.rng import seed_everything
+from pet.utils.table import format_table
 
 __all__ = [
     "default_argument_parser",
@@ -68,37 +71,68 @@ def distributed_backend(device: torch.device) -> str:
     return dist.Backend.NCCL if device.type == "cuda" else dist.Backend.GLOO
 
 
-def init_distributed(local_rank: int | None = None, device: str = "auto") -> None:
-    """Join the process group described by torchrun's environment (no-op without it).
+def init_distributed(local_rank: int | None = None, device: str = "auto", timeout_s: float = 1800) -> LaunchInfo:
+    """Join the process group described by torchrun's environment, or srun's (no-op without either); where
+    this process sits in the run.
 
-    ``device`` is the config's ``DEVICE`` (resolved as the trainer does, per ``LOCAL_RANK``);
-    on CUDA it becomes this process's current device and the backend is NCCL, else gloo.
-    ``local_rank`` is the deprecated ``--local_rank`` flag's value (until 0.3.0).
+    srun's variables are translated into torchrun's first (:func:`pet.utils.launch_env.slurm_environment`;
+    torchrun's win when both exist). ``device`` is the config's ``DEVICE`` (resolved as the trainer does,
+    per ``LOCAL_RANK``); on CUDA it becomes this process's current device and the backend is NCCL, else
+    gloo. Every collective then fails after ``timeout_s`` (``DIST.TIMEOUT_S``) instead of waiting forever
+    for a hung peer. ``local_rank`` is the deprecated ``--local_rank`` flag's value (until 0.3.0).
     """
     if local_rank is not None:
         logger.warning("--local_rank is deprecated and goes in Pet 0.3.0: launch with torchrun, which sets LOCAL_RANK")
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
-        return
+    try:
+        slurm = slurm_environment(os.environ)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    os.environ.update(slurm)
+    info = launch_info(os.environ, "slurm" if slurm else "torchrun")
+    if info.world_size <= 1 or dist.is_initialized():
+        return info
     run_device = resolve_device(device)
     if run_device.type == "cuda":
         torch.cuda.set_device(run_device)
-    dist.init_process_group(backend=distributed_backend(run_device))
+    join_process_group(distributed_backend(run_device), timeout_s)
+    return info
 
 
 def default_setup(cfg_file: str, opts: list[str], local_rank: int | None = None) -> CfgNode:
     """Load the config, join the process group, set up logging, threads and seeds, register ``DATA.CUSTOM``."""
     cfg = load_cfg(cfg_file, opts)
-    init_distributed(local_rank, cfg.DEVICE)
+    default_threads = torch.get_num_threads()  # torch's choice for this machine, before Pet changes it
+    info = init_distributed(local_rank, cfg.DEVICE, cfg.DIST.TIMEOUT_S)
     rank = comm.get_rank()
     setup_logger(cfg.CKPT, rank)
     logger.info(f"Rank {rank} of {comm.get_world_size()}; config {cfg_file}; overrides {opts}")
-    if cfg.NUM_THREADS > 0:
-        torch.set_num_threads(cfg.NUM_THREADS)
+    threads, why = threads_per_process(cfg.NUM_THREADS, os.environ, default_threads, info.local_world_size)
+    torch.set_num_threads(threads)
+    _log_processes(info, threads, why)
     seed = cfg.SEED if cfg.SEED >= 0 else int.from_bytes(os.urandom(2), "little")
     seed_everything(seed + rank)
     register_custom_datasets(cfg)
     return cfg
+
+
+def _log_processes(info: LaunchInfo, threads: int, why: str) -> None:
+    """One table on the main process, at start-up: every process's ranks, node, host and threads, and the restart."""
+    rows = comm.all_gather_object((info, threads, why))
+    if not comm.is_main_process():
+        return
+    if info.world_size == 1:
+        logger.info(f"One process, {threads} CPU threads ({why})")
+        return
+    restarts = {i.restart for i, _, _ in rows}
+    if max(restarts):
+        logger.info(f"Restart {max(restarts)} of at most {info.max_restarts} (torchrun --max-restarts): "
+                    "the run resumes from its last complete checkpoint")
+    table = format_table(["rank", "local rank", "node", "host", "threads", "restart"],
+                         [[i.rank, f"{i.local_rank}/{i.local_world_size}", i.node_rank, i.host, f"{t} ({w})",
+                           i.restart] for i, t, w in rows])
+    logger.info(f"{info.world_size} processes on {len({i.node_rank for i, _, _ in rows})} node(s), "
+                f"launched by {info.launcher}:\n{table}")
 
 
 def build_trainer(cfg: CfgNode, *, resume: bool = False, unsafe: bool = False, weights_only: bool = False,
@@ -141,7 +175,11 @@ def launch_cli(main: Callable[[], None]) -> None:
         advice = write_failure_remedy(exc, os.path.dirname(os.path.abspath(exc.filename)))
         _exit_with_one_line(f"Could not write {exc.filename}: {exc.strerror}; {advice}.", 2)
     except RuntimeError as exc:
-        # torch's worker-death error raised before Pet's fetch watched for it (the first batch)
+        # A peer process lost or hung (seen by gloo in a collective), or torch's worker-death error raised
+        # before Pet's fetch watched for it (the first batch).
+        lost = collective_failure(exc, comm.get_rank()) if comm.is_distributed() else None
+        if lost is not None:
+            _exit_with_one_line(lost, PEER_LOST_EXIT_CODE)
         death = worker_death(exc)
         if death is None:
             raise

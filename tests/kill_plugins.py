@@ -91,3 +91,32 @@ class KillTestWorker(TestCallback):
         if not self.done:
             self.done = True
             os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)
+
+
+class KillRankAt(TrainHook):
+    """SIGKILLs global rank ``rank`` in ``after_step`` of iteration ``at``, once (a marker in ``output_dir``, which
+    the restarted run sees): one worker of a distributed run lost, as a machine that crashes loses it."""
+
+    priority = Priority.HIGHEST
+
+    def __init__(self, at: int, rank: int, output_dir: str) -> None:
+        self.at, self.rank = int(at), int(rank)
+        self.marker = os.path.join(output_dir, f"killed_rank{rank}_at_{at}")
+
+    def after_step(self, trainer: Any, **kwargs: Any) -> None:
+        if trainer.iter == self.at and torch.distributed.get_rank() == self.rank and not os.path.exists(self.marker):
+            with open(self.marker, "w", encoding="utf-8"):
+                pass
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class SleepAt(TrainHook):
+    """Global rank ``rank`` sleeps ``seconds`` in ``before_step`` of iteration ``at``: a hung process (a deadlocked
+    data worker, a stuck file system), while the others wait for it in the step's gradient all-reduce."""
+
+    def __init__(self, at: int, rank: int, seconds: float) -> None:
+        self.at, self.rank, self.seconds = int(at), int(rank), float(seconds)
+
+    def before_step(self, trainer: Any, **kwargs: Any) -> None:
+        if trainer.iter == self.at and torch.distributed.get_rank() == self.rank:
+            time.sleep(self.seconds)

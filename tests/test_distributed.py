@@ -153,7 +153,7 @@ def test_init_distributed_picks_the_backend_from_cfg_device(monkeypatch, device,
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", selected.append)
     monkeypatch.setattr(cli.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(cli.dist, "init_process_group", lambda backend: joined.append(backend))
+    monkeypatch.setattr(cli.dist, "init_process_group", lambda backend, **options: joined.append(backend))
     init_distributed(device=device)
     assert joined == [backend]
     assert selected == ([current_gpu] if current_gpu else [])

@@ -27,6 +27,7 @@ import io
 import logging
 import os
 import shutil
+import socket
 import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -42,7 +43,7 @@ from pet.utils.errors import ConfigError, PetError, TrainingError
 from pet.utils.files import atomic_path, write_bytes_atomic
 from pet.utils.rng import get_rng_state, set_rng_state
 
-__all__ = ["Checkpointer", "Checkpointable", "SCHEDULE_KEYS"]
+__all__ = ["Checkpointer", "Checkpointable", "SCHEDULE_KEYS", "agreed_last_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,18 +128,25 @@ class Checkpointer:
         return state
 
     def save(self, filename: str, *, save_dir: str = "", update_last: bool = True, optimizer: bool = True,
-             scheduler: bool = True, extra: dict[str, Any] | None = None) -> str:
+             scheduler: bool = True, extra: dict[str, Any] | None = None, all_ranks: bool = False) -> str:
         """Write :meth:`state` (with ``extra`` keys) to ``save_dir/filename`` atomically; its path.
 
         Hooks see the state in ``before_save_checkpoint`` first (EMAHook adds its average). With
         ``update_last`` the run's ``last_checkpoint`` then names the file (by name in the run's
-        directory, by absolute path elsewhere).
+        directory, by absolute path elsewhere). ``all_ranks``: every process calls this at the same
+        point (the regular and the stop checkpoints), so the checkpoint also gets each process's
+        random-number state (``rng_per_rank``, gathered from all), which a resume of the same number
+        of processes gives back to each: a process draws (RPN and RoI sampling) what it would have
+        drawn without the interruption, not rank 0's draws.
         """
         save_dir = save_dir or self.trainer.output_dir
         path = os.path.join(save_dir, filename)
+        rng_per_rank = comm.all_gather_object(get_rng_state()) if all_ranks and comm.get_world_size() > 1 else None
         if not comm.is_main_process():
             return path
         state = {**self.state(optimizer=optimizer, scheduler=scheduler), **(extra or {})}
+        if rng_per_rank is not None:
+            state["rng_per_rank"] = rng_per_rank
         self.trainer.call_hooks("before_save_checkpoint", checkpoint=state)
         atomic_save(state, path)
         if update_last:
@@ -151,7 +159,7 @@ class Checkpointer:
         """Save the iterations completed now, for a stop outside the schedule; the file's path."""
         if self.stop_saver is not None:
             return self.stop_saver()
-        return self.save(f"model_iter{self.trainer.iter}.pth")
+        return self.save(f"model_iter{self.trainer.iter}.pth", all_ranks=True)
 
     def remove(self, filename: str, save_dir: str = "", reason: str = "") -> None:
         """Delete ``save_dir/filename`` (a pruned regular checkpoint) if it is there."""
@@ -207,7 +215,7 @@ class Checkpointer:
         ``weights_only`` resumes everything but the optimizer's state (see :meth:`load`).
         """
         trainer = self.trainer
-        last = read_last_checkpoint(trainer.output_dir) if resume else None
+        last = agreed_last_checkpoint(trainer.output_dir) if resume else None
         if last is not None:
             try:
                 self.load(load_checkpoint(last, unsafe=unsafe), optimizer_state=not weights_only)
@@ -256,7 +264,10 @@ class Checkpointer:
             grad_scaler.load_state_dict(state["grad_scaler"])
         trainer.start_iter = trainer.iter = int(state["iter"])
         trainer.epoch = trainer.start_iter // trainer.iters_per_epoch if trainer.iters_per_epoch else 0
-        if "rng" in state:
+        per_rank = state.get("rng_per_rank")
+        if per_rank is not None and len(per_rank) == comm.get_world_size():
+            set_rng_state(per_rank[comm.get_rank()])
+        elif "rng" in state:
             set_rng_state(state["rng"])
         trainer.hooks.load_state_dicts(state.get("hooks", {}))
         _log_schedule_changes(state.get("schedule"), self._schedule(), trainer.start_iter)
@@ -266,6 +277,55 @@ class Checkpointer:
         """What shapes the learning rate of each iteration: ``MAX_ITER`` and the ``SOLVER`` schedule keys."""
         solver = self.trainer.cfg.SOLVER
         return {"MAX_ITER": self.trainer.max_iter, **{key: _plain(solver[key]) for key in SCHEDULE_KEYS}}
+
+
+def agreed_last_checkpoint(save_dir: str) -> str | None:
+    """:func:`read_last_checkpoint` of ``save_dir``, checked to be the same file on every process.
+
+    In a run of several machines ``CKPT`` must be one folder all of them read (a shared file
+    system). When it is not, a machine without the checkpoint would start over while the others
+    resume, and their weights would silently part ways; so every process reports the
+    ``last_checkpoint`` it sees (its name and size), and any that differs from rank 0's stops every
+    process with one error naming that process's host and folder.
+    """
+    seen, error = _what_this_process_sees(save_dir)
+    if comm.get_world_size() > 1:
+        everyone = comm.all_gather_object(seen)
+        reference = everyone[0]
+        differ = [s for s in everyone[1:] if (s["name"], s["size"], s["error"]) != (reference["name"],
+                                                                                   reference["size"], None)]
+        if differ or reference["error"]:
+            raise ConfigError(_not_shared_message(reference, differ))
+    if error is not None:
+        raise error
+    return seen["path"]
+
+
+def _what_this_process_sees(save_dir: str) -> tuple[dict[str, Any], PetError | None]:
+    path, error = None, None
+    try:
+        path = read_last_checkpoint(save_dir)
+    except PetError as exc:
+        error = exc
+    node = os.environ.get("GROUP_RANK")
+    return {"rank": comm.get_rank(), "where": f"{socket.gethostname()}{f' (node {node})' if node else ''}",
+            "dir": os.path.abspath(save_dir), "path": path, "name": os.path.basename(path) if path else None,
+            "size": os.path.getsize(path) if path else None, "error": str(error) if error else None}, error
+
+
+def _not_shared_message(reference: dict[str, Any], differ: list[dict[str, Any]]) -> str:
+    def sees(s: dict[str, Any]) -> str:
+        if s["error"]:
+            return f"an unreadable last_checkpoint in {s['dir']} ({s['error']})"
+        if s["name"] is None:
+            return f"no last_checkpoint in {s['dir']}"
+        return f"last_checkpoint {s['name']} ({s['size']} bytes) in {s['dir']}"
+
+    others = "; ".join(f"rank {s['rank']} on {s['where']} sees {sees(s)}" for s in differ)
+    return (f"The processes of this run do not see the same checkpoint: rank 0 on {reference['where']} sees "
+            f"{sees(reference)}; {others}. CKPT must be one folder that every machine reads and writes the same "
+            "way (a shared file system): point CKPT at one, or copy the checkpoint and last_checkpoint of rank 0's "
+            "folder to the others, then run the same command again.")
 
 
 def _load_optimizer_state(optimizer: Any, saved: dict[str, Any]) -> None:

@@ -18,8 +18,18 @@ _C.DISPLAY_ITER = 20
 _C.SEED = 3
 # Where to run: "auto" (CUDA when available), "cpu" or "cuda".
 _C.DEVICE = "auto"
-# Threads torch may use on the CPU; 0 keeps torch's default.
+# CPU threads per process. 0: OMP_NUM_THREADS when set (torchrun sets 1 when a machine runs several processes
+# and you did not set it), else torch's default shared among the processes of this machine.
 _C.NUM_THREADS = 0
+
+# ---------------------------------------------------------------------------------------
+# Distributed runs (torchrun, SLURM's srun): docs/distributed.md
+# ---------------------------------------------------------------------------------------
+_C.DIST = CN()
+# Seconds any process waits in a collective (gradients, metrics, a barrier) for the others, passed to
+# init_process_group: a hung or lost process ends the job after it with one line instead of a wait forever.
+# Keep it above the longest step a rank may take alone (rank 0 evaluating, writing a large checkpoint).
+_C.DIST.TIMEOUT_S = 1800
 
 # ---------------------------------------------------------------------------------------
 # Data: datasets, decoding and loading

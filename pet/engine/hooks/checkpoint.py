@@ -149,7 +149,8 @@ class CheckpointHook(TrainHook):
         self.kept = self.kept[len(stale):]
         directory = self._dir(trainer)
         checkpointer = trainer.checkpointer
-        checkpointer.save(name, save_dir=directory, optimizer=self.save_optimizer, scheduler=self.save_scheduler)
+        checkpointer.save(name, save_dir=directory, optimizer=self.save_optimizer, scheduler=self.save_scheduler,
+                          all_ranks=True)
         for old in stale:  # only once last_checkpoint names the new, complete file
             checkpointer.remove(old, directory, f"HOOKS.CHECKPOINT.MAX_KEEP {self.max_keep}")
 
