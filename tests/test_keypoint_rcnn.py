@@ -20,7 +20,7 @@ from pet.deploy.onnx import export_onnx
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel
 from pet.deploy.parity import ParityError, check_parity, parity_batches
 from pet.modeling import build_model
-from pet.utils.errors import DataError
+from pet.utils.errors import ConfigError, DataError
 
 COCO_CFG = os.path.join(CFGS, "coco", "keypoint_rcnn_R-50-FPN_1x.yaml")
 
@@ -254,3 +254,10 @@ def test_a_batch_without_usable_keypoints_is_one_error_naming_the_image(tiny_mod
     tiny_model.train()
     with pytest.raises(DataError, match=message):
         tiny_model(*tiny_batch(keypoints))
+
+
+def test_a_keypoint_model_without_keypoints_is_a_config_error_naming_the_key():
+    cfg = load_cfg(os.path.join(CFGS, "shapes", "faster_rcnn_R-10-FPN.yaml"),
+                   [*TINY, "MODEL.ROI_KEYPOINT_HEAD.NUM_KEYPOINTS", "0"])
+    with pytest.raises(ConfigError, match=r"MODEL.ROI_KEYPOINT_HEAD.NUM_KEYPOINTS must be >= 1, got 0"):
+        build_model(cfg)
