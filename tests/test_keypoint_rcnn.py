@@ -2,19 +2,25 @@
 parameter count, keypoint outputs in the original image, and the errors of a batch without usable keypoints."""
 from __future__ import annotations
 
+import json
 import os
 
+import cv2
+import numpy as np
 import pytest
 import torch
-from helpers import CFGS, custom_datasets
-from parity import check_inference_parity, check_training_parity
+import torchvision
+from helpers import CFGS, custom_datasets, run_tool
+from parity import ARCHS, _rescale_outputs, check_inference_parity, check_training_parity, shapes_image
 from test_export import randomize_norms, rescale_output
+from test_torchvision_weights import assert_results_match_torchvision
 
 from pet.config import load_cfg
 from pet.deploy.onnx import export_onnx
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel
 from pet.deploy.parity import ParityError, check_parity, parity_batches
 from pet.modeling import build_model
+from pet.utils.errors import ConfigError, DataError
 
 COCO_CFG = os.path.join(CFGS, "coco", "keypoint_rcnn_R-50-FPN_1x.yaml")
 
@@ -101,3 +107,157 @@ def test_the_gate_rejects_keypoints_moved_by_a_pixel(tiny_keypoint_export):
             check_parity(model, onnx_model, batches)
     finally:
         del onnx_model.network_detections
+
+
+SIZE = 800  # INPUT.MIN_SIZE_TEST of the COCO config and torchvision's test size: neither side resizes
+PLUGINS = {"PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))}
+
+
+def torchvision_keypoint_model() -> torch.nn.Module:
+    """torchvision's ``keypointrcnn_resnet50_fpn(weights=None, weights_backbone=None)`` (person + 17 keypoints), its
+    output layers rescaled to O(1) outputs (tests/parity.py) and the person logit biased to a mean of -2 on
+    calibration images (background 0), so that the best detections pass the score threshold. Eval mode,
+    channels-last as Pet runs."""
+    torch.manual_seed(0)
+    model = ARCHS["keypoint_rcnn"].builder(weights=None, weights_backbone=None).eval()
+    calibration = [torch.from_numpy(shapes_image(300 + i, 160, 192)[0]).permute(2, 0, 1).float() / 255
+                   for i in range(2)]
+    sizes = model.transform.min_size, model.transform.max_size
+    model.transform.min_size, model.transform.max_size = (192,), 288  # calibrate cheaply
+    layer, logits = model.roi_heads.box_predictor.cls_score, []
+    with torch.no_grad():
+        _rescale_outputs(model, ARCHS["keypoint_rcnn"].outputs, calibration)
+        handle = layer.register_forward_hook(lambda module, args, out: logits.append(out))
+        model(calibration)
+        handle.remove()
+        layer.bias.add_(torch.tensor([0.0, -2.0]) - torch.cat(logits).mean(0))
+    model.transform.min_size, model.transform.max_size = sizes
+    return model.to(memory_format=torch.channels_last)
+
+
+@pytest.fixture(scope="module")
+def coco_person(tmp_path_factory):
+    """A COCO person-keypoint set (the category's 17 keypoint names and skeleton, each annotation's keypoints) with
+    one 800x800 image of shapes, every shape a person: ``(json file, image folder, RGB image)``."""
+    root = tmp_path_factory.mktemp("coco_person")
+    (root / "images").mkdir()
+    rgb, objects = shapes_image(1, SIZE, SIZE)
+    cv2.imwrite(str(root / "images" / "1.png"), cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR))
+    annotations = []
+    for obj in objects:
+        ys, xs = np.nonzero(obj["mask"])
+        x0, y0, x1, y1 = int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1
+        keypoints = [v for k in range(17) for v in (x0 + (x1 - x0) * k / 17, y0 + (y1 - y0) * k / 17, 2)]
+        annotations.append({"id": len(annotations) + 1, "image_id": 1, "category_id": 1, "iscrowd": 0,
+                            "bbox": [x0, y0, x1 - x0, y1 - y0], "area": float(obj["mask"].sum()),
+                            "keypoints": keypoints, "num_keypoints": 17})
+    names = list(torchvision.models.detection.KeypointRCNN_ResNet50_FPN_Weights.COCO_V1.meta["keypoint_names"])
+    skeleton = [[16, 14], [14, 12], [17, 15], [15, 13], [12, 13], [6, 12], [7, 13], [6, 7], [6, 8], [7, 9], [8, 10],
+                [9, 11], [2, 3], [1, 2], [1, 3], [2, 4], [3, 5], [4, 6], [5, 7]]  # COCO's, 1-based
+    categories = [{"id": 1, "name": "person", "supercategory": "person", "keypoints": names, "skeleton": skeleton}]
+    json_file = root / "person_keypoints_mini.json"
+    json_file.write_text(json.dumps({"images": [{"id": 1, "file_name": "1.png", "width": SIZE, "height": SIZE}],
+                                     "annotations": annotations, "categories": categories}))
+    return str(json_file), str(root / "images"), rgb
+
+
+def test_shipped_coco_config_evaluates_torchvision_keypoint_weights_as_torchvision(coco_person, tmp_path):
+    """tools/test_net.py with cfgs/coco/keypoint_rcnn_R-50-FPN_1x.yaml and a torchvision-format state_dict: bbox.json
+    is torchvision's detections, and the model's outputs (saved by a TEST.HOOKS callback) carry torchvision's
+    keypoints and keypoint scores, detection for detection."""
+    json_file, image_dir, rgb = coco_person
+    reference = torchvision_keypoint_model()
+    weights = tmp_path / "keypoint_rcnn_coco.pth"
+    torch.save(reference.state_dict(), weights)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # as many as test_net's process gets (tests/helpers.py): the same kernels' order
+    with torch.no_grad():
+        theirs = reference([torch.from_numpy(rgb).permute(2, 0, 1).float() / 255])[0]
+    torch.set_num_threads(threads)
+    assert len(theirs["boxes"]) > 0  # the case the weights make
+    boxes = theirs["boxes"].double().numpy()
+    boxes[:, 2:] -= boxes[:, :2]
+    expected = {1: {"boxes": boxes, "scores": theirs["scores"].double().numpy(), "labels": theirs["labels"].numpy()}}
+    ckpt = tmp_path / "run"
+    run_tool("test_net.py", "--cfg", COCO_CFG, "CKPT", ckpt,
+             "DATA.CUSTOM", custom_datasets(("coco_person", json_file, image_dir)), "TEST.DATASETS", "('coco_person',)",
+             "TEST.WEIGHTS", weights, "TEST.AMP.ENABLED", "False",
+             "TEST.HOOKS", "[{'type': 'output_plugins.SaveOutputs'}]", env=PLUGINS)
+    worst = assert_results_match_torchvision(json.loads((ckpt / "test" / "bbox.json").read_text()), expected)
+    ours = torch.load(ckpt / "outputs.pth", weights_only=True)[1]
+    # the same detections in the same order (bbox.json matched them one to one within 1e-3 px and 1e-5)
+    assert torch.equal(ours["labels"], theirs["labels"])
+    assert (ours["boxes"] - theirs["boxes"]).abs().max() <= 1e-3
+    assert ours["keypoints"].dtype == torch.float32 and ours["keypoints"].shape == theirs["keypoints"].shape
+    keypoints = (ours["keypoints"] - theirs["keypoints"]).abs().max().item()
+    scores = (ours["keypoints_scores"] - theirs["keypoints_scores"]).abs().max().item()
+    print(f"largest differences from torchvision's: {worst}, keypoints {keypoints} px, keypoint scores {scores}")
+    assert keypoints <= 1e-3 and scores <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """The tiny Keypoint R-CNN (:data:`TINY`), random weights, float32 and channels-last as shipped."""
+    torch.manual_seed(0)
+    return build_model(load_cfg(os.path.join(CFGS, "shapes", "faster_rcnn_R-10-FPN.yaml"), TINY))
+
+
+def tiny_batch(keypoints: torch.Tensor | None = None):
+    """Two 96x128 images with one box each; ``keypoints`` [1, K, 3] for both when given."""
+    images = torch.randint(0, 256, (2, 3, 96, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    targets = [{"image_id": i + 1, "image_size": (96, 128), "orig_size": (96, 128),
+                "boxes": torch.tensor([[10.0, 20.0, 70.0, 90.0]]), "labels": torch.tensor([1])} for i in range(2)]
+    if keypoints is not None:
+        for target in targets:
+            target["keypoints"] = keypoints
+    return images, targets
+
+
+def test_training_learns_keypoints_from_the_keypoint_loss(tiny_model):
+    keypoints = torch.tensor([[[20.0, 30.0, 2.0], [60.0, 80.0, 1.0], [40.0, 50.0, 0.0], [69.0, 89.0, 2.0]]])
+    tiny_model.train()
+    tiny_model.zero_grad()
+    losses = tiny_model(*tiny_batch(keypoints))
+    assert set(losses) == {"loss_objectness", "loss_rpn_box_reg", "loss_classifier", "loss_box_reg", "loss_keypoint"}
+    assert losses["loss_keypoint"] > 0 and torch.isfinite(losses["loss_keypoint"])
+    losses["loss_keypoint"].backward()
+    grads = {name: p.grad for name, p in tiny_model.named_parameters() if name.startswith("roi_heads.keypoint_")}
+    assert grads and all(g is not None and g.abs().sum() > 0 for n, g in grads.items() if not n.endswith("lowres.bias"))
+    # every keypoint invisible: nothing to learn, a zero loss (torchvision's rule)
+    hidden = keypoints.clone()
+    hidden[..., 2] = 0
+    assert tiny_model(*tiny_batch(hidden))["loss_keypoint"] == 0
+
+
+def test_eval_keypoints_are_scaled_to_the_original_image(tiny_model):
+    tiny_model.eval()
+    images, targets = tiny_batch()
+    with torch.no_grad():
+        same = tiny_model(images, targets)[0]
+        for target in targets:
+            target["orig_size"] = (192, 384)  # 2x the height, 3x the width
+        scaled = tiny_model(images, targets)[0]
+    n = len(same["boxes"])
+    assert n > 0 and same["keypoints"].shape == (n, 4, 3) and same["keypoints_scores"].shape == (n, 4)
+    assert same["keypoints"].dtype == same["keypoints_scores"].dtype == torch.float32
+    assert torch.equal(scaled["keypoints"], same["keypoints"] * torch.tensor([3.0, 2.0, 1.0]))
+    assert torch.equal(scaled["keypoints_scores"], same["keypoints_scores"])
+    assert (same["keypoints"][..., 2] == 1).all()
+
+
+@pytest.mark.parametrize("keypoints, message", [
+    (None, r"KeypointRCNN trains on target\['keypoints'\], which image 1's target lacks"),
+    (torch.zeros(1, 17, 3), r"image 1: target\['keypoints'\] has shape \(1, 17, 3\), expected \[1, 4, 3\].*"
+                            "NUM_KEYPOINTS"),
+])
+def test_a_batch_without_usable_keypoints_is_one_error_naming_the_image(tiny_model, keypoints, message):
+    tiny_model.train()
+    with pytest.raises(DataError, match=message):
+        tiny_model(*tiny_batch(keypoints))
+
+
+def test_a_keypoint_model_without_keypoints_is_a_config_error_naming_the_key():
+    cfg = load_cfg(os.path.join(CFGS, "shapes", "faster_rcnn_R-10-FPN.yaml"),
+                   [*TINY, "MODEL.ROI_KEYPOINT_HEAD.NUM_KEYPOINTS", "0"])
+    with pytest.raises(ConfigError, match=r"MODEL.ROI_KEYPOINT_HEAD.NUM_KEYPOINTS must be >= 1, got 0"):
+        build_model(cfg)

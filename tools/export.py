@@ -5,7 +5,7 @@ Writes an ONNX graph with a dynamic batch, height and width and the whole post-p
 (pet/deploy/onnx.py says what it takes and returns), then runs the parity gate: the PyTorch model and
 the ONNX model in onnxruntime detect on the first test images at several sizes and a blank image, and
 must agree within the tolerances it prints (boxes within 1e-3 of the image size, scores within 1e-4,
-labels equal, mask IoU >= 0.99). Success is reported only then; a disagreement is one line and exit
+labels equal, mask IoU >= 0.99, keypoints as boxes). Success is reported only then; a disagreement is one line and exit
 status 2, and nothing is left at the output path (the export is written beside it under a temporary name and
 renamed over it only once the gate passes, so a previous good export stays). ``--check-only`` runs the gate on an
 existing ``--output`` file. Weights: --weights, else TEST.WEIGHTS, else CKPT/model_final.pth (in

@@ -60,7 +60,8 @@ def import_onnx() -> ModuleType:
 
 
 def export_onnx(model: torch.nn.Module, example: Batch, path: str, metadata: Mapping[str, str] | None = None) -> str:
-    """Export ``model`` (a Pet FasterRCNN, MaskRCNN, RetinaNet or FCOS) to the ONNX file ``path``; returns ``path``.
+    """Export ``model`` (a Pet FasterRCNN, MaskRCNN, KeypointRCNN, RetinaNet or FCOS) to the ONNX file ``path``; returns
+    ``path``.
 
     ``example`` is a batch as the test loader gives it (``(images, targets)``); its values do not matter, but
     every feature map of its images must be larger than 1x1 (the smallest size the graph then takes is
