@@ -266,7 +266,7 @@ def _rank_main(worker: Any, rank: int, init_file: Any, args: tuple, queue: Any) 
     queue.put(result)
 
 
-def run_two_ranks(worker: Any, init_file: Any, *args: Any, timeout: float = 120) -> list[Any]:
+def run_two_ranks(worker: Any, init_file: Any, *args: Any, timeout: float = 600) -> list[Any]:
     """``worker(rank, init_file, *args)`` in each process of a two-process gloo group; what they return, sorted.
 
     Spawned, not forked: a fork copies torch's OpenMP thread pool, which hangs the child once an

@@ -22,8 +22,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_the_changelog_names_the_current_version_and_every_deprecation():
     with open(os.path.join(ROOT, "CHANGELOG.md"), encoding="utf-8") as f:
         changelog = f.read()
-    assert re.findall(r"^## \[(.+?)\]", changelog, flags=re.M)[0] == pet.__version__
-    deprecated = changelog.split("### Deprecated", 1)[1].split("###", 1)[0]  # the newest release's list
+    releases = [name for name in re.findall(r"^## \[(.+?)\]", changelog, flags=re.M) if name != "Unreleased"]
+    assert releases[0] == pet.__version__
+    newest = changelog.split(f"## [{pet.__version__}]", 1)[1]
+    deprecated = newest.split("### Deprecated", 1)[1].split("###", 1)[0]  # the newest release's list
     for old in (*RENAMED_KEYS, "json", "--local_rank", "DetectionVisualizer"):
         assert f"`{old}" in deprecated, old
 

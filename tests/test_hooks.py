@@ -306,7 +306,7 @@ def _sync_worker(rank, init_file):
 
 
 def test_sync_buffers_averages_float_buffers_across_processes(tmp_path):
-    results = run_two_ranks(_sync_worker, tmp_path / "init", timeout=60)
+    results = run_two_ranks(_sync_worker, tmp_path / "init")
     for rank, mean, var, tracked in results:
         assert mean == [0.5] * 3 and var == [2.0] * 3 and tracked == rank  # integer buffers untouched
 
