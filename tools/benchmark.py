@@ -13,7 +13,7 @@
     python tools/benchmark.py predict [--part stream video] [--images 2000] [--batch 8] [--frames 320]
                                       [--vid-stride 2] [--out FILE]
     python tools/benchmark.py tiles   [--mosaic 192] [--scenes 3] [--tile 256] [--tile-overlap 0.25] [--batch 8]
-                                      [--sahi [--sahi-conf 0.3]] [--out FILE]
+                                      [--max-det 5000] [--sahi [--sahi-conf 0.3]] [--out FILE]
 
 engine: Pet's Trainer overhead per iteration over a plain loop and MMEngine's Runner
 (tools/benchmarks/engine.py). train / infer: Pet's detectors against torchvision's on the same
