@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "what the pictures hold, so that the cap does not decide")
     parser.add_argument("--sahi", action="store_true", help="also SAHI (needs sahi importable, see docs/BENCHMARKS.md)")
     parser.add_argument("--sahi-conf", type=float, default=0.3, help="SAHI's confidence_threshold (its default)")
-    parser.add_argument("--shapes", default="data/shapes", help="the demo set (tools/make_shapes.py)")
+    parser.add_argument("--shapes", default="data/shapes", help="the demo set (the quick start generates it)")
     parser.add_argument("--data", default="data/tiles_benchmark", help="where the generated scenes are kept")
     parser.add_argument("--opts", nargs="*", default=[], help="config overrides (KEY VALUE ...)")
     parser.add_argument("--out", default="benchmarks/tiles.json")
