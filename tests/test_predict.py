@@ -318,18 +318,6 @@ def test_the_seam_merge_keeps_neighbours_apart_where_greedy_merging_joins_them()
     assert len(greedy) == 1  # SAHI's merge: B disappears into A
 
 
-def test_pieces_of_an_object_no_tile_saw_whole_are_joined_whatever_class_each_was_given():
-    """An object 150 px wide across a 64 px overlap: tile 0 sees its left part as class 1, tile 1 its right part as
-    class 2; a doubtful large box of tile 1 (score 0.05) holding the right part does not swallow it."""
-    tiles = torch.tensor([[0, 0, 256, 256], [192, 0, 448, 256]])
-    boxes = torch.tensor([[150.0, 50, 256, 150], [192.0, 52, 300, 149], [200.0, 10, 440, 250]])
-    scores, labels = torch.tensor([0.9, 0.6, 0.05]), torch.tensor([1, 2, 3])
-    merged, merged_scores, merged_labels = merge_seams(boxes, scores, labels, torch.tensor([0, 1, 1]), tiles,
-                                                       (256, 448))
-    assert merged.tolist() == [[150, 50, 300, 150], [200, 10, 440, 250]]
-    assert merged_labels.tolist() == [1, 3] and merged_scores.tolist() == pytest.approx([0.9, 0.05])
-
-
 def test_predict_many_gives_each_pictures_own_detections_in_batches(tmp_path):
     """Arrays and files mixed, three pictures at a time: as many results as pictures, in order, each what the
     picture alone gives; and only positive batch sizes."""

@@ -10,9 +10,10 @@
                                      [--int8 [--calib 8] [--reduce-range] [--weights DEMO_WEIGHTS]]
                                      [--threads N] [--iters 1] [--repeats 3] [--out FILE]
     python tools/benchmark.py coco-eval [--images 5000] [--classes 80] [--tasks bbox segm] [--repeats 3] [--out FILE]
-    python tools/benchmark.py predict [--part stream tiles sahi video] [--images 2000] [--batch 8] [--scenes 3]
-                                      [--tile 256] [--tile-overlap 0.25] [--sahi-conf 0.3] [--frames 320]
+    python tools/benchmark.py predict [--part stream video] [--images 2000] [--batch 8] [--frames 320]
                                       [--vid-stride 2] [--out FILE]
+    python tools/benchmark.py tiles   [--mosaic 192] [--scenes 3] [--tile 256] [--tile-overlap 0.25] [--batch 8]
+                                      [--max-det 5000] [--sahi [--sahi-conf 0.3]] [--out FILE]
 
 engine: Pet's Trainer overhead per iteration over a plain loop and MMEngine's Runner
 (tools/benchmarks/engine.py). train / infer: Pet's detectors against torchvision's on the same
@@ -23,8 +24,9 @@ COCO evaluation with pycocotools against faster-coco-eval on a synthetic COCO-si
 onnx: Pet's PyTorch models against their ONNX exports in onnxruntime, and with --int8 also PyTorch bfloat16 and the
 export quantized to int8 (tools/benchmarks/onnx.py).
 predict: tools/predict.py with the trained demo model: memory and images/s of a long stream against test_net,
-recall of tiled prediction on large generated scenes by merge, the same against SAHI's sliced prediction of the
-same model (--part sahi, run with a python that has sahi), video frames/s (tools/benchmarks/predict.py).
+video frames/s (tools/benchmarks/predict.py). tiles: tiled prediction with each merge against the same model on
+uncut pictures (a mosaic of demo pictures, generated scenes) and against SAHI's sliced prediction of the same
+model with every merge setting (--sahi, with sahi importable) (tools/benchmarks/tiles.py).
 Every table starts with the machine's fingerprint, which the JSON keeps with the command.
 """
 from __future__ import annotations
@@ -37,7 +39,7 @@ import time
 
 import torch
 
-from benchmarks import coco_eval, data, detectors, engine, onnx, predict
+from benchmarks import coco_eval, data, detectors, engine, onnx, predict, tiles
 from benchmarks.common import fingerprint
 
 
@@ -58,7 +60,8 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/data.json")
     coco_eval.add_arguments(sub.add_parser("coco-eval", help="COCO evaluation: pycocotools against faster-coco-eval"))
     onnx.add_arguments(sub.add_parser("onnx", help="PyTorch inference against the ONNX export in onnxruntime"))
-    predict.add_arguments(sub.add_parser("predict", help="tools/predict.py: streams, tiles and video"))
+    predict.add_arguments(sub.add_parser("predict", help="tools/predict.py: streams and video"))
+    tiles.add_arguments(sub.add_parser("tiles", help="tiled prediction against uncut pictures and SAHI"))
     args = parser.parse_args()
     if args.command in ("train", "infer", "onnx"):
         torch.set_num_threads(args.threads)
@@ -66,7 +69,8 @@ def main() -> None:
         run = detectors.detectors
     else:
         run = {"engine": engine.engine, "data": data.data, "coco-eval": coco_eval.coco_eval,
-               "onnx": onnx.onnx_vs_pytorch, "predict": predict.predict_benchmark}[args.command]
+               "onnx": onnx.onnx_vs_pytorch, "predict": predict.predict_benchmark,
+               "tiles": tiles.tiles_benchmark}[args.command]
     machine = fingerprint()
     result = {"command": " ".join(sys.argv), "machine": machine, "date": time.strftime("%Y-%m-%d"),
               **run(args, machine)}

@@ -1,5 +1,5 @@
 """Predict with a trained detector: python tools/predict.py --cfg FILE --input SRC [--output DIR]
-[--save csv,coco,json,yolo,vis,crops] [--batch N] [--tile SIZE --tile-overlap F] [--max-det N]
+[--save csv,coco,json,yolo,vis,crops] [--batch N] [--tile SIZE --tile-overlap F --tile-merge seam] [--max-det N]
 [--score-thresh T] [--vis-thresh T] [--vid-stride N] [--ann COCO_JSON] [--backend {pytorch,onnxruntime,auto}]
 [--model FILE]
 [KEY VALUE ...]
@@ -27,6 +27,7 @@ from pet.predict import PREDICT_DEFAULTS, PredictionWriter, Predictor, PredictSt
 from pet.predict.labels import model_keypoint_meta
 from pet.predict.predictor import model_score_thresh
 from pet.predict.sources import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
+from pet.predict.tiling import MERGES
 from pet.predict.writers import check_writable, parse_formats
 from pet.utils.errors import ConfigError, DataError
 from pet.utils.logger import setup_logger
@@ -46,6 +47,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tile", type=int, default=0, metavar="SIZE", help="predict by tiles of SIZE px (0: off)")
     parser.add_argument("--tile-overlap", type=float, default=0.2, metavar="F",
                         help="overlap of neighbouring tiles, a fraction of SIZE (default 0.2)")
+    parser.add_argument("--tile-merge", default="seam", choices=MERGES,
+                        help="how tiles' detections become one set (default seam: fragments of objects another tile "
+                             "saw whole dropped, pieces of objects no tile saw whole joined; see docs/predict.md)")
     parser.add_argument("--tile-whole-image", action="store_true",
                         help="with --tile, also predict on the whole picture (at the test size) and merge it in")
     parser.add_argument("--max-det", type=int, default=None, metavar="N",
@@ -143,7 +147,8 @@ def main() -> None:
         logger.info(f"--backend auto: {choice}")
     predictor = Predictor(cfg, model_file or None, backend=backend, score_thresh=args.score_thresh,
                           max_det=args.max_det, tile=args.tile, tile_overlap=args.tile_overlap,
-                          tile_whole_image=args.tile_whole_image, unsafe_load=args.unsafe_load)
+                          tile_whole_image=args.tile_whole_image, tile_merge=args.tile_merge,
+                          unsafe_load=args.unsafe_load)
     if backend == "onnxruntime":
         check_export_threshold(cfg, args.cfg_file, predictor.model, args.score_thresh)
     writer = PredictionWriter(output, formats, predictor.label_space, source, vis_thresh=args.vis_thresh,

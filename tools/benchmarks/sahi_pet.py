@@ -1,11 +1,13 @@
-"""SAHI's sliced prediction of Pet's own model: the reference that ``benchmark.py predict --part sahi`` measures
-Pet's tiling against.
+"""SAHI's sliced prediction of Pet's own model: the reference that ``benchmark.py tiles --sahi`` measures Pet's
+tiling against.
 
-Only that part imports this module, from a separate venv where sahi is installed: sahi is the yardstick here, not
-a dependency of Pet (and it pulls opencv-python, which would replace the project's opencv-python-headless).
+Only that option imports this module, with sahi importable (a venv, or ``pip install --target DIR --no-deps sahi``
+plus its missing pure-python dependencies on PYTHONPATH): sahi is the yardstick here, not a dependency of Pet (and
+it pulls opencv-python, which would replace the project's opencv-python-headless).
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import numpy as np
@@ -28,7 +30,12 @@ class PetDetectionModel(DetectionModel):
     picture of Pet's own does, so SAHI and Pet's tiling differ only in how they slice and merge. The slices
     SAHI hands over in one call (its ``batch_size``) run as one forward pass, as Pet's tiles do; a detection
     is kept above ``confidence_threshold`` (SAHI's default 0.3), labelled with the model's category ids.
+
+    ``cache``, a dict when set, keeps each picture's detections by its pixels: SAHI's merge settings can then be
+    compared on one set of slice predictions.
     """
+
+    cache: dict[bytes, Detections] | None = None
 
     def __init__(self, predictor: Predictor, confidence_threshold: float = 0.3) -> None:
         if predictor.tiles is not None:
@@ -51,7 +58,14 @@ class PetDetectionModel(DetectionModel):
         """RGB arrays (SAHI's convention) -> their detections, in one forward pass."""
         predictor: Predictor = self.model
         bgr = [np.ascontiguousarray(image[..., ::-1]) for image in images]
-        return predictor.predict_many(bgr, batch_size=len(images))
+        if self.cache is None:
+            return predictor.predict_many(bgr, batch_size=len(images))
+        keys = [hashlib.blake2b(image.tobytes() + str(image.shape).encode(), digest_size=16).digest() for image in bgr]
+        missing = [k for k, key in enumerate(keys) if key not in self.cache]
+        if missing:
+            for k, det in zip(missing, predictor.predict_many([bgr[k] for k in missing], batch_size=len(missing))):
+                self.cache[keys[k]] = det
+        return [self.cache[key] for key in keys]
 
     def _create_object_prediction_list_from_original_predictions(
             self, shift_amount_list: list[list[int | float]] | None = None,
@@ -75,15 +89,23 @@ def sahi_grid(height: int, width: int, tile: int, overlap: float) -> np.ndarray:
                                      overlap_height_ratio=overlap, overlap_width_ratio=overlap), dtype=np.int64)
 
 
-def sahi_predict(model: PetDetectionModel, image: str, tile: int, overlap: float, *, batch: int,
-                 standard_pred: bool) -> Detections:
-    """``get_sliced_prediction`` of ``image`` (a file, decoded by SAHI) with SAHI's default merge (GREEDYNMM by
-    IOS 0.5, class-wise) and with or without its whole-image pass, as :class:`Detections` (best first)."""
+def sahi_predict(model: PetDetectionModel, image: str | np.ndarray, tile: int, overlap: float, *, batch: int,
+                 standard_pred: bool, setting: tuple[str, str, bool] = ("GREEDYNMM", "IOS", False)
+                 ) -> tuple[Detections, dict[str, float]]:
+    """``get_sliced_prediction`` of ``image`` (a file SAHI decodes, or a BGR array) with the merge ``setting``
+    (``postprocess_type``, ``postprocess_match_metric``, ``postprocess_class_agnostic``; SAHI's default: GREEDYNMM,
+    IOS 0.5, class-wise), with or without its whole-image pass: :class:`Detections` (best first) and SAHI's own
+    seconds per stage (slice, prediction, postprocess)."""
+    if isinstance(image, np.ndarray):
+        image = np.ascontiguousarray(image[..., ::-1])  # SAHI takes arrays as RGB
+    postprocess, metric, agnostic = setting
     result = get_sliced_prediction(image, model, slice_height=tile, slice_width=tile, overlap_height_ratio=overlap,
                                    overlap_width_ratio=overlap, perform_standard_pred=standard_pred, batch_size=batch,
-                                   verbose=0)
+                                   postprocess_type=postprocess, postprocess_match_metric=metric,
+                                   postprocess_class_agnostic=agnostic, force_postprocess_type=True, verbose=0)
     found = sorted(result.object_prediction_list, key=lambda p: -p.score.value)
-    return Detections(boxes=np.array([p.bbox.to_xyxy() for p in found], dtype=np.float32).reshape(-1, 4),
-                      scores=np.array([p.score.value for p in found], dtype=np.float32),
-                      labels=np.array([p.category.id for p in found], dtype=np.int64),
-                      names=[p.category.name for p in found], path=image)
+    return (Detections(boxes=np.array([p.bbox.to_xyxy() for p in found], dtype=np.float32).reshape(-1, 4),
+                       scores=np.array([p.score.value for p in found], dtype=np.float32),
+                       labels=np.array([p.category.id for p in found], dtype=np.int64),
+                       names=[p.category.name for p in found], path=image if isinstance(image, str) else ""),
+            dict(result.durations_in_seconds))

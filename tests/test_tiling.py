@@ -1,0 +1,51 @@
+"""The tile merge's promises on detections written by hand (no model): an object cut by a tile edge is reported
+once and whole, its fragments are not, and neighbouring objects at a seam stay apart.
+
+Two 256 px tiles overlapping by 64 px on a 448x256 picture: tile 0 is x 0-256, tile 1 x 192-448; the seam of
+the fragment rule is tile 0's right edge (x = 256) and tile 1's left edge (x = 192). ``merge_seams``' margin is
+TileSpec(256)'s, 4 px.
+"""
+from __future__ import annotations
+
+import torch
+
+from pet.predict.tiling import TileSpec, merge_seams
+
+TILES = torch.tensor([[0, 0, 256, 256], [192, 0, 448, 256]])
+SIZE = (256, 448)
+MARGIN = TileSpec(256).margin
+
+
+def merge(detections: list[tuple[tuple[float, float, float, float], float, int, int]]
+          ) -> list[tuple[list[float], int]]:
+    """(box, score, label, tile) rows through the seam merge -> sorted (box, label) pairs."""
+    boxes = torch.tensor([d[0] for d in detections], dtype=torch.float32)
+    scores = torch.tensor([d[1] for d in detections])
+    labels, tile_ids = torch.tensor([d[2] for d in detections]), torch.tensor([d[3] for d in detections])
+    merged, _, merged_labels = merge_seams(boxes, scores, labels, tile_ids, TILES, SIZE, margin=MARGIN)
+    return sorted(zip(merged.tolist(), merged_labels.tolist()))
+
+
+def test_a_fragment_and_its_whole_copy_in_another_tile_give_one_detection():
+    """A 60 px circle (class 1) across tile 0's right edge: tile 0 sees its left 36 px and takes them for a
+    rectangle (class 2) scoring 0.95; tile 1 sees it whole, as a circle scoring 0.40, less than half as much.
+    Neither class nor score decides: the fragment goes."""
+    assert merge([((220, 100, 256, 160), 0.95, 2, 0), ((220, 100, 280, 160), 0.40, 1, 1)]) == [
+        ([220, 100, 280, 160], 1)]
+
+
+def test_neighbouring_objects_across_a_seam_are_both_kept():
+    """Two 40 px objects of one class, one above the other and overlapping by 8 px, both across tile 0's right
+    edge: tile 0 reports both fragments, tile 1 both objects whole. Each fragment lies inside its own object's
+    whole copy and only 18% inside the neighbour's, so the two objects stay, once each."""
+    upper, lower = (230, 60, 270, 104), (230, 96, 270, 140)
+    assert merge([((230, 60, 256, 104), 0.9, 1, 0), ((230, 96, 256, 140), 0.9, 1, 0),
+                  (upper, 0.8, 1, 1), (lower, 0.8, 1, 1)]) == [(list(upper), 1), (list(lower), 1)]
+
+
+def test_an_object_larger_than_the_overlap_is_one_box_joined_from_its_pieces():
+    """A 90 px object (x 170-260) is whole in no tile: tile 0 sees x 170-256 (class 1), tile 1 x 192-260 (class
+    2). The pieces cover each other, but neither is a whole copy, so neither is dropped: they are joined, and a
+    small whole neighbour below them in tile 1 stays apart."""
+    assert merge([((170, 40, 256, 130), 0.9, 1, 0), ((192, 41, 260, 130), 0.7, 2, 1),
+                  ((236, 130, 266, 160), 0.8, 3, 1)]) == [([170, 40, 260, 130], 1), ([236, 130, 266, 160], 3)]
