@@ -14,6 +14,7 @@ from pet.modeling.fcos import FCOS
 from pet.modeling.mask_rcnn import MaskRCNN
 from pet.modeling.registry import *  # noqa: F403 - the registries, as registry.__all__ lists them
 from pet.modeling.retinanet import RetinaNet
+from pet.modeling.rtdetr import RTDETR
 from pet.modeling.state_dict_names import convert_state_dict
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "MaskRCNN",
     "RetinaNet",
     "FCOS",
+    "RTDETR",
 ]
 __all__ += registry.__all__
 
