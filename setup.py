@@ -20,7 +20,9 @@ _OPTIONAL = {
 }
 _EXTRAS = {
     **_OPTIONAL,
-    "test": ["pytest>=7", "ruff"] + [req for reqs in _OPTIONAL.values() for req in reqs],
+    # transformers: the reference RT-DETR (RTDetrForObjectDetection, RTDetrImageProcessor) that
+    # tests/test_rtdetr_parity.py compares Pet's modules with; 4.45 is the first release with RT-DETR's loss.
+    "test": ["pytest>=7", "ruff", "transformers>=4.45"] + [req for reqs in _OPTIONAL.values() for req in reqs],
 }
 
 setup(
@@ -46,6 +48,8 @@ setup(
         "PyYAML",
         # tools/predict.py's progress bar (rate, ETA; off when stderr is not a terminal).
         "tqdm>=4.61",
+        # RT-DETR's Hungarian matcher (scipy.optimize.linear_sum_assignment) at every training step.
+        "scipy>=1.7",
     ],
     extras_require=_EXTRAS,
 )
