@@ -11,8 +11,11 @@ denoising noise from the same seed. Images are small (160 x 128 px) to keep the 
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from helpers import CFGS
 
 from pet.config import load_cfg
 from pet.modeling import build_model
@@ -165,3 +168,22 @@ def test_same_training_losses(pair, denoising):
     assert any("_dn_" in k for k in losses) == denoising
     for name, value in expected.items():
         torch.testing.assert_close(losses[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("variant", ["R18", "R50"])
+def test_shipped_coco_config_takes_the_hub_checkpoints_tensors_and_the_papers_recipe(variant):
+    """cfgs/coco/rtdetr_R-{18,50}.yaml build the model of the hub's PekingU/rtdetr_{r18,r50}vd (80 COCO classes):
+    every tensor of the reference's state_dict has a place of the same shape, and the solver is the paper's."""
+    cfg = load_cfg(os.path.join(CFGS, "coco", f"rtdetr_{variant[0]}-{variant[1:]}.yaml"))
+    torch.manual_seed(0)
+    reference = transformers.RTDetrForObjectDetection(reference_config(variant, num_labels=80))
+    expected = {k: tuple(v.shape) for k, v in convert_transformers_state_dict(reference.state_dict()).items()}
+    counted = "num_batches_tracked"  # BatchNorm's counter, which FrozenBN lacks
+    ours = {k: tuple(v.shape) for k, v in build_model(cfg).state_dict().items() if not k.endswith(counted)}
+    assert ours == {k: v for k, v in expected.items() if not k.endswith(counted)}
+    solver = cfg.SOLVER
+    assert solver.OPTIMIZER == "AdamW" and solver.BASE_LR == 1e-4 and solver.BACKBONE_LR_FACTOR == 0.1
+    assert solver.WEIGHT_DECAY == 1e-4
+    assert solver.CLIP_GRAD_NORM == 0.1 and cfg.HOOKS.EMA.ENABLED and cfg.HOOKS.EMA.MOMENTUM == 1e-4
+    assert solver.MAX_ITER * solver.IMS_PER_BATCH // 117_266 == 72  # epochs of COCO train2017
+    assert cfg.INPUT.MAX_SIZE_TEST == 640 and tuple(cfg.MODEL.PIXEL_STD) == (255.0, 255.0, 255.0)
