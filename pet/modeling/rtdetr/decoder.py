@@ -66,7 +66,7 @@ class RTDETRDecoder(nn.Module):
     def forward(self, features: list[torch.Tensor], targets: list[dict[str, torch.Tensor]] | None = None
                 ) -> dict:
         maps = [proj(f) for proj, f in zip(self.input_proj, features)]
-        shapes = [(int(m.shape[-2]), int(m.shape[-1])) for m in maps]
+        shapes = [(m.shape[-2], m.shape[-1]) for m in maps]
         memory = torch.cat([m.flatten(2).transpose(1, 2) for m in maps], 1)
         selected = self.query_selection(memory, shapes)
         queries, reference, attn_mask = selected["queries"], selected["reference"].detach(), None

@@ -91,23 +91,24 @@ class RTDETR(nn.Module):
         with timed("decoder"):
             outputs = self.decoder(features)
         with timed("postprocess"):
-            return detections_to_original(self.top_detections(outputs["logits"][-1], outputs["boxes"][-1],
-                                                              height, width), targets)
+            boxes, scores, labels, keep = self.top_detections(outputs["logits"][-1], outputs["boxes"][-1], height,
+                                                              width)
+            detections = [{"boxes": b[k], "scores": s[k], "labels": c[k]}
+                          for b, s, c, k in zip(boxes, scores, labels, keep)]
+            return detections_to_original(detections, targets)
 
     def top_detections(self, logits: torch.Tensor, boxes: torch.Tensor, height: int, width: int
-                       ) -> list[dict[str, torch.Tensor]]:
-        """The ``DETECTIONS_PER_IMAGE`` highest (query, class) sigmoid scores above ``SCORE_THRESH_TEST``, with their
-        query's box in input pixels: one query may give several classes, as in the reference's post-processing."""
-        scale = torch.tensor([width, height, width, height], dtype=boxes.dtype, device=boxes.device)
-        corners = box_convert(boxes.float(), "cxcywh", "xyxy") * scale
-        scores, index = logits.float().sigmoid().flatten(1).topk(min(self.num_top, logits[0].numel()), dim=1)
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per image, the ``DETECTIONS_PER_IMAGE`` highest (query, class) sigmoid scores: their query's box in input
+        pixels ``[B, K, 4]``, the scores and labels ``[B, K]`` (decreasing score) and which are above
+        ``SCORE_THRESH_TEST``. One query may give several classes, as in the reference's post-processing."""
+        x0, y0, x1, y1 = box_convert(boxes.float(), "cxcywh", "xyxy").unbind(-1)
+        corners = torch.stack([x0 * width, y0 * height, x1 * width, y1 * height], -1)
         classes = logits.shape[-1]
-        out = []
-        for s, i, c in zip(scores, index, corners):
-            keep = s > self.score_thresh
-            out.append({"boxes": c[torch.div(i[keep], classes, rounding_mode="floor")], "scores": s[keep],
-                        "labels": i[keep] % classes + 1})
-        return out
+        scores, index = logits.float().sigmoid().flatten(1).topk(min(self.num_top, logits.shape[1] * classes), dim=1)
+        query = torch.div(index, classes, rounding_mode="floor")
+        picked = corners.gather(1, query.unsqueeze(-1).expand(-1, -1, 4))
+        return picked, scores, index - query * classes + 1, scores > self.score_thresh
 
 
 def normalised_targets(target: dict[str, Any], height: int, width: int) -> dict[str, torch.Tensor]:
