@@ -134,3 +134,22 @@ def test_train_and_test_through_the_tools_with_stage_timers(tiny_set, tmp_path, 
         report = json.load(f)
     assert 0 <= report["metrics"]["bbox/AP"] <= 100
     assert {"backbone", "encoder", "decoder", "postprocess"} <= set(report["speed"]), report["speed"]
+
+
+def test_resume_is_bit_identical_denoising_noise_included(tiny_set, tmp_path, monkeypatch, capsys):
+    """2 iterations straight, and the same run resumed from its checkpoint after iteration 1, end with the same
+    weights: the denoising noise comes from the RNG state the checkpoint restores; the matching is deterministic."""
+    ckpt = str(tmp_path / "run")
+    opts = [*tiny_set_opts(tiny_set, ckpt, max_iter=2, checkpoint_period=1), *TINY, "SOLVER.AMP.ENABLED", "False",
+            "TRAIN.AUTO_RESUME", "True"]
+    assert run_tool_here(monkeypatch, capsys, "train_net.py", "--cfg", SHAPES_CFG, *opts)[0] == 0
+    straight = torch.load(os.path.join(ckpt, "model_final.pth"), weights_only=True)["model"]
+    os.remove(os.path.join(ckpt, "model_final.pth"))
+    with open(os.path.join(ckpt, "last_checkpoint"), "w") as f:
+        f.write("model_iter1.pth")
+    assert run_tool_here(monkeypatch, capsys, "train_net.py", "--cfg", SHAPES_CFG, *opts)[0] == 0
+    with open(os.path.join(ckpt, "log.txt")) as f:
+        assert "Starting training from iteration 1 to 2" in f.read()
+    resumed = torch.load(os.path.join(ckpt, "model_final.pth"), weights_only=True)["model"]
+    assert straight.keys() == resumed.keys()
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
