@@ -21,7 +21,11 @@ _OPTIONAL = {
 _EXTRAS = {
     **_OPTIONAL,
     # pytest-xdist: tests run one thread each, so one worker per core (pytest.ini) halves the suite on 2 cores.
-    "test": ["pytest>=7", "pytest-xdist>=3.5", "ruff"] + [req for reqs in _OPTIONAL.values() for req in reqs],
+    # transformers: the reference RT-DETR (RTDetrForObjectDetection, RTDetrImageProcessor) that
+    # tests/test_rtdetr_parity.py compares Pet's modules with; 5.x lays out RT-DETR's sine position embedding
+    # as the parity tests expect on non-square maps.
+    "test": ["pytest>=7", "pytest-xdist>=3.5", "ruff", "transformers>=5,<6"]
+    + [req for reqs in _OPTIONAL.values() for req in reqs],
 }
 
 setup(
@@ -47,6 +51,8 @@ setup(
         "PyYAML",
         # tools/predict.py's progress bar (rate, ETA; off when stderr is not a terminal).
         "tqdm>=4.61",
+        # RT-DETR's Hungarian matcher (scipy.optimize.linear_sum_assignment) at every training step.
+        "scipy>=1.7",
     ],
     extras_require=_EXTRAS,
 )

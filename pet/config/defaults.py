@@ -277,6 +277,53 @@ _C.MODEL.FCOS.TOPK_CANDIDATES = 1000
 _C.MODEL.FCOS.NMS_THRESH_TEST = 0.6
 _C.MODEL.FCOS.DETECTIONS_PER_IMAGE = 100
 
+# RT-DETR (MODEL.META_ARCHITECTURE RTDETR, MODEL.BACKBONE.TYPE resnet_vd; docs/models.md#rt-detr). The defaults
+# are transformers' RTDetrConfig (the R50 model); cfgs/coco/rtdetr_R-18.yaml lists what R18 changes.
+_C.MODEL.RTDETR = CN()
+# Channels of the ResNet-vd stem; the stages have 1, 2, 4, 8 times as many (x4 for bottleneck blocks).
+_C.MODEL.RTDETR.BACKBONE_WIDTH = 64
+# Channels of the hybrid encoder (its input projections, AIFI and the CCFM fusion).
+_C.MODEL.RTDETR.HIDDEN_DIM = 256
+# AIFI: transformer encoder layers on the stride-32 level (0: none), their heads and FFN width.
+_C.MODEL.RTDETR.ENCODER_LAYERS = 1
+_C.MODEL.RTDETR.ENCODER_HEADS = 8
+_C.MODEL.RTDETR.ENCODER_FFN_DIM = 1024
+# CCFM fusion blocks: RepVGG blocks per CSP layer, and the CSP layers' width as a fraction of HIDDEN_DIM
+# (the reference's hidden_expansion: 1.0 for R50, 0.5 for R18).
+_C.MODEL.RTDETR.CSP_BLOCKS = 3
+_C.MODEL.RTDETR.EXPANSION = 1.0
+# Decoder: width, layers, heads, FFN width, deformable sampling points per head and level.
+_C.MODEL.RTDETR.DECODER_DIM = 256
+_C.MODEL.RTDETR.DECODER_LAYERS = 6
+_C.MODEL.RTDETR.DECODER_HEADS = 8
+_C.MODEL.RTDETR.DECODER_FFN_DIM = 1024
+_C.MODEL.RTDETR.DECODER_POINTS = 4
+# Queries selected from the encoder's candidates (the most detections an image can have).
+_C.MODEL.RTDETR.NUM_QUERIES = 300
+# Contrastive denoising at training time: denoising queries per image (0: off; split into groups of twice
+# the batch's largest object count), the fraction of their labels flipped (half of it actually changes)
+# and the box noise relative to half the box size.
+_C.MODEL.RTDETR.NUM_DENOISING = 100
+_C.MODEL.RTDETR.LABEL_NOISE_RATIO = 0.5
+_C.MODEL.RTDETR.BOX_NOISE_SCALE = 1.0
+# The matcher (pet.modeling.rtdetr.RTDETR_MATCHER_REGISTRY) and its cost weights: focal class cost
+# (with MATCHER_ALPHA, MATCHER_GAMMA), L1 of the (cx, cy, w, h) boxes, and GIoU.
+_C.MODEL.RTDETR.MATCHER = "HungarianMatcher"
+_C.MODEL.RTDETR.COST_CLASS = 2.0
+_C.MODEL.RTDETR.COST_BBOX = 5.0
+_C.MODEL.RTDETR.COST_GIOU = 2.0
+_C.MODEL.RTDETR.MATCHER_ALPHA = 0.25
+_C.MODEL.RTDETR.MATCHER_GAMMA = 2.0
+# Loss weights (varifocal, L1, GIoU) and the varifocal loss' alpha and gamma.
+_C.MODEL.RTDETR.LOSS_VFL = 1.0
+_C.MODEL.RTDETR.LOSS_BBOX = 5.0
+_C.MODEL.RTDETR.LOSS_GIOU = 2.0
+_C.MODEL.RTDETR.FOCAL_ALPHA = 0.75
+_C.MODEL.RTDETR.FOCAL_GAMMA = 2.0
+# Test time: keep the DETECTIONS_PER_IMAGE best (query, class) scores above SCORE_THRESH_TEST. No NMS.
+_C.MODEL.RTDETR.DETECTIONS_PER_IMAGE = 300
+_C.MODEL.RTDETR.SCORE_THRESH_TEST = 0.0
+
 # ---------------------------------------------------------------------------------------
 # Solver
 # ---------------------------------------------------------------------------------------
@@ -292,6 +339,9 @@ _C.SOLVER.MOMENTUM = 0.9
 _C.SOLVER.WEIGHT_DECAY = 1e-4
 # Weight decay of normalisation layers' weights and biases.
 _C.SOLVER.WEIGHT_DECAY_NORM = 0.0
+# Learning rate of the backbone's parameters (those under `backbone.`) as a fraction of BASE_LR:
+# RT-DETR's recipe trains its ImageNet backbone at 0.1.
+_C.SOLVER.BACKBONE_LR_FACTOR = 1.0
 # Iterations to train (iteration mode). Ignored when MAX_EPOCHS > 0.
 _C.SOLVER.MAX_ITER = 90000
 # Epochs to train; > 0 selects epoch mode (MAX_ITER is then derived from the dataset size).

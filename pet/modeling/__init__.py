@@ -16,6 +16,7 @@ from pet.modeling.keypoint_rcnn import KeypointRCNN
 from pet.modeling.mask_rcnn import MaskRCNN
 from pet.modeling.registry import *  # noqa: F403 - the registries, as registry.__all__ lists them
 from pet.modeling.retinanet import RetinaNet
+from pet.modeling.rtdetr import RTDETR
 from pet.modeling.state_dict_names import convert_state_dict
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "FCOS",
     "CascadeRCNN",
     "CascadeMaskRCNN",
+    "RTDETR",
 ]
 __all__ += registry.__all__
 

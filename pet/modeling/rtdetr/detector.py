@@ -1,0 +1,119 @@
+"""RT-DETR (Zhao et al., "DETRs Beat YOLOs on Real-time Object Detection", CVPR 2024) in Pet's batch contract.
+
+ResNet-vd backbone -> hybrid encoder -> query selection -> decoder with deformable attention; one prediction
+per query, matched one-to-one to the objects in training, so there is no NMS: the test-time output is the
+top-scoring (query, class) pairs. Equal to transformers' ``RTDetrForObjectDetection`` for the same weights and
+pixels (tests/test_rtdetr_parity.py); its ``state_dict`` loads through :mod:`pet.modeling.rtdetr.weights`.
+
+Boxes are predicted as (cx, cy, w, h) in [0, 1] of the padded input tensor (the reference resizes every image
+to a square without padding, where the two coincide); targets are normalised the same way.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from fvcore.common.config import CfgNode
+from torch import nn
+from torchvision.ops import box_convert
+
+from pet.modeling.backbone import build_backbone
+from pet.modeling.build import META_ARCH_REGISTRY
+from pet.modeling.postprocess import detections_to_original
+from pet.modeling.preprocess import Normalizer, image_sizes
+from pet.modeling.rtdetr.criterion import RTDETRCriterion
+from pet.modeling.rtdetr.decoder import RTDETRDecoder
+from pet.modeling.rtdetr.encoder import HybridEncoder
+from pet.modeling.rtdetr.matcher import RTDETR_MATCHER_REGISTRY
+from pet.modeling.rtdetr.queries import ContrastiveDenoising
+from pet.modeling.rtdetr.weights import convert_transformers_state_dict, is_transformers_state_dict
+from pet.modeling.state_dict_names import convert_state_dict
+from pet.utils.timers import timed
+
+__all__ = ["RTDETR"]
+
+
+@META_ARCH_REGISTRY.register()
+class RTDETR(nn.Module):
+    """``forward(images, targets)`` as :class:`pet.modeling.FasterRCNN`: uint8 ``[B, 3, H, W]`` padded images and
+    per-image targets; training returns the loss terms (:mod:`pet.modeling.rtdetr.criterion`), eval per-image
+    ``boxes`` / ``scores`` / ``labels`` (1..NUM_CLASSES) in original-image pixels. Test-time timers: ``backbone``,
+    ``encoder``, ``decoder`` (query selection included) and ``postprocess``."""
+
+    # The class heads (and the denoising label embedding) have one row per class.
+    class_dependent_prefixes: tuple[str, ...] = ("decoder.class_heads.", "decoder.query_selection.score_head.",
+                                                 "decoder.denoising.label_embed.")
+
+    def __init__(self, cfg: CfgNode) -> None:
+        super().__init__()
+        node = cfg.MODEL.RTDETR
+        self.num_classes = cfg.MODEL.NUM_CLASSES
+        self.num_top = node.DETECTIONS_PER_IMAGE
+        self.score_thresh = node.SCORE_THRESH_TEST
+        self.normalizer = Normalizer(cfg)
+        self.backbone = build_backbone(cfg)
+        dim = node.HIDDEN_DIM
+        self.encoder = HybridEncoder(list(self.backbone.out_channels), dim, num_heads=node.ENCODER_HEADS,
+                                     ffn_dim=node.ENCODER_FFN_DIM, num_layers=node.ENCODER_LAYERS,
+                                     num_blocks=node.CSP_BLOCKS, expansion=node.EXPANSION)
+        denoising = ContrastiveDenoising(node.DECODER_DIM, self.num_classes, node.NUM_DENOISING,
+                                         node.LABEL_NOISE_RATIO, node.BOX_NOISE_SCALE)
+        self.decoder = RTDETRDecoder(dim, node.DECODER_DIM, self.num_classes, num_queries=node.NUM_QUERIES,
+                                     num_layers=node.DECODER_LAYERS, num_heads=node.DECODER_HEADS,
+                                     ffn_dim=node.DECODER_FFN_DIM, num_levels=len(self.backbone.out_channels),
+                                     num_points=node.DECODER_POINTS, denoising=denoising)
+        self.matcher = RTDETR_MATCHER_REGISTRY.get(node.MATCHER)(cfg)
+        self.criterion = RTDETRCriterion(cfg, self.num_classes)
+        if cfg.MODEL.CHANNELS_LAST:
+            self.to(memory_format=torch.channels_last)
+
+    @staticmethod
+    def convert_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """transformers' RT-DETR names to Pet's (:mod:`pet.modeling.rtdetr.weights`); anything else as other models."""
+        if is_transformers_state_dict(state):
+            return convert_transformers_state_dict(state)
+        return convert_state_dict(state)
+
+    def forward(self, images: torch.Tensor, targets: list[dict[str, Any]]
+                ) -> dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]:
+        sizes = image_sizes(targets)
+        x = self.normalizer(images, sizes)
+        height, width = x.shape[-2:]
+        with timed("backbone"):
+            features = list(self.backbone(x).values())
+        with timed("encoder"):
+            features = self.encoder(features)
+        if self.training:
+            gt = [normalised_targets(t, height, width) for t in targets]
+            outputs = self.decoder(features, gt)
+            return self.criterion(outputs, gt, self.matcher)
+        with timed("decoder"):
+            outputs = self.decoder(features)
+        with timed("postprocess"):
+            boxes, scores, labels, keep = self.top_detections(outputs["logits"][-1], outputs["boxes"][-1], height,
+                                                              width)
+            detections = [{"boxes": b[k], "scores": s[k], "labels": c[k]}
+                          for b, s, c, k in zip(boxes, scores, labels, keep)]
+            return detections_to_original(detections, targets)
+
+    def top_detections(self, logits: torch.Tensor, boxes: torch.Tensor, height: int, width: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per image, the ``DETECTIONS_PER_IMAGE`` highest (query, class) sigmoid scores: their query's box in input
+        pixels ``[B, K, 4]``, the scores and labels ``[B, K]`` (decreasing score) and which are above
+        ``SCORE_THRESH_TEST``. One query may give several classes, as in the reference's post-processing."""
+        x0, y0, x1, y1 = box_convert(boxes.float(), "cxcywh", "xyxy").unbind(-1)
+        corners = torch.stack([x0 * width, y0 * height, x1 * width, y1 * height], -1)
+        classes = logits.shape[-1]
+        scores, index = logits.float().sigmoid().flatten(1).topk(min(self.num_top, logits.shape[1] * classes), dim=1)
+        query = torch.div(index, classes, rounding_mode="floor")
+        picked = corners.gather(1, query.unsqueeze(-1).expand(-1, -1, 4))
+        return picked, scores, index - query * classes + 1, scores > self.score_thresh
+
+
+def normalised_targets(target: dict[str, Any], height: int, width: int) -> dict[str, torch.Tensor]:
+    """Pet's target (``boxes`` xyxy in input pixels, ``labels`` 1..K) as RT-DETR's: (cx, cy, w, h) over the padded
+    input's ``width`` and ``height``, labels 0..K-1."""
+    boxes = target["boxes"].float()
+    scale = torch.tensor([width, height, width, height], dtype=boxes.dtype, device=boxes.device)
+    return {"labels": target["labels"] - 1, "boxes": box_convert(boxes, "xyxy", "cxcywh") / scale}

@@ -1,0 +1,57 @@
+"""The Hungarian matcher: a one-to-one assignment of predictions to objects at the lowest total cost.
+
+The cost of giving object j to prediction i is ``class_weight * focal class cost + bbox_weight * L1 distance
+of the (cx, cy, w, h) boxes - giou_weight * GIoU``, solved per image with scipy's ``linear_sum_assignment``.
+To try another matcher, subclass :class:`HungarianMatcher` (or write any module with the same call) and
+register it in ``RTDETR_MATCHER_REGISTRY``; ``MODEL.RTDETR.MATCHER`` names it (docs/extending.md).
+"""
+from __future__ import annotations
+
+import torch
+from fvcore.common.config import CfgNode
+from scipy.optimize import linear_sum_assignment
+from torch import nn
+from torchvision.ops import box_convert, generalized_box_iou
+
+from pet.utils.registry import Registry
+
+__all__ = ["HungarianMatcher", "RTDETR_MATCHER_REGISTRY", "Matches"]
+
+RTDETR_MATCHER_REGISTRY = Registry("RT-DETR matcher")
+RTDETR_MATCHER_REGISTRY.__doc__ = "RT-DETR matchers by name, for MODEL.RTDETR.MATCHER: ``Entry(cfg) -> nn.Module``."
+
+# Per image: (prediction indices, object indices), int64, of equal length.
+Matches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@RTDETR_MATCHER_REGISTRY.register()
+class HungarianMatcher(nn.Module):
+    """``forward(logits [B, Q, C], boxes [B, Q, 4], targets) -> Matches``; targets hold ``labels`` (0-based) and
+    ``boxes`` (cx, cy, w, h in [0, 1]). Costs that are not finite are replaced by the largest float (matched last)."""
+
+    def __init__(self, cfg: CfgNode) -> None:
+        super().__init__()
+        node = cfg.MODEL.RTDETR
+        self.class_weight, self.bbox_weight, self.giou_weight = node.COST_CLASS, node.COST_BBOX, node.COST_GIOU
+        self.alpha, self.gamma = node.MATCHER_ALPHA, node.MATCHER_GAMMA
+
+    @torch.no_grad()
+    def forward(self, logits: torch.Tensor, boxes: torch.Tensor, targets: list[dict[str, torch.Tensor]]) -> Matches:
+        b, q = logits.shape[:2]
+        labels = torch.cat([t["labels"] for t in targets])
+        gt_boxes = torch.cat([t["boxes"] for t in targets])
+        prob = logits.flatten(0, 1).sigmoid()[:, labels]
+        # The focal loss of calling it the object's class minus that of calling it background.
+        positive = self.alpha * (1 - prob) ** self.gamma * -(prob + 1e-8).log()
+        negative = (1 - self.alpha) * prob**self.gamma * -(1 - prob + 1e-8).log()
+        pred = boxes.flatten(0, 1)
+        giou = generalized_box_iou(box_convert(pred, "cxcywh", "xyxy"), box_convert(gt_boxes, "cxcywh", "xyxy"))
+        cost = (self.bbox_weight * torch.cdist(pred, gt_boxes, p=1) + self.class_weight * (positive - negative)
+                - self.giou_weight * giou)
+        big = torch.finfo(cost.dtype).max
+        cost = torch.nan_to_num(cost, nan=big, posinf=big, neginf=big).view(b, q, -1).cpu()
+        matches = []
+        for i, c in enumerate(cost.split([len(t["boxes"]) for t in targets], -1)):
+            rows, cols = linear_sum_assignment(c[i])
+            matches.append((torch.as_tensor(rows, dtype=torch.int64), torch.as_tensor(cols, dtype=torch.int64)))
+        return matches
