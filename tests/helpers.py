@@ -82,6 +82,11 @@ def run_tool_here(monkeypatch: Any, capsys: Any, tool: str, *args: object) -> tu
     return status, capsys.readouterr().err
 
 
+# The start-up FLOP count (pet.utils.model_summary) runs the model once at the test size: ~15 s for an R-50 at 800 px
+# on 2 cores. Tests that check detections, not the logged FLOPs, count them on a small image instead.
+SMALL_FLOPS = ("MODEL.FLOPS_INPUT_SIZE", "(64, 64)")
+
+
 def custom_datasets(*datasets: tuple[str, str, str]) -> str:
     """The ``DATA.CUSTOM`` value that registers each ``(name, json file, image dir)``."""
     entries = [f"{{'name': '{name}', 'path': '{json_file}', 'images': '{images}'}}"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from helpers import CFGS, custom_datasets, run_tool
+from helpers import CFGS, SMALL_FLOPS, custom_datasets, run_tool
 from parity import ARCHS, _rescale_outputs, check_inference_parity, check_training_parity, shapes_image
 from test_export import randomize_norms, rescale_output
 from test_torchvision_weights import assert_results_match_torchvision
@@ -181,7 +181,7 @@ def test_shipped_coco_config_evaluates_torchvision_keypoint_weights_as_torchvisi
     ckpt = tmp_path / "run"
     run_tool("test_net.py", "--cfg", COCO_CFG, "CKPT", ckpt,
              "DATA.CUSTOM", custom_datasets(("coco_person", json_file, image_dir)), "TEST.DATASETS", "('coco_person',)",
-             "TEST.WEIGHTS", weights, "TEST.AMP.ENABLED", "False",
+             "TEST.WEIGHTS", weights, "TEST.AMP.ENABLED", "False", *SMALL_FLOPS,
              "TEST.HOOKS", "[{'type': 'output_plugins.SaveOutputs'}]", env=PLUGINS)
     worst = assert_results_match_torchvision(json.loads((ckpt / "test" / "bbox.json").read_text()), expected)
     ours = torch.load(ckpt / "outputs.pth", weights_only=True)[1]

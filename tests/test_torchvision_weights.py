@@ -24,7 +24,7 @@ import numpy as np
 import pycocotools.mask as mask_util
 import pytest
 import torch
-from helpers import CFGS, custom_datasets, run_tool
+from helpers import CFGS, SMALL_FLOPS, custom_datasets, run_tool
 from parity import ARCHS, _rescale_outputs, shapes_image
 
 from pet.checkpoint import load_weights
@@ -185,7 +185,8 @@ def test_shipped_coco_config_evaluates_torchvision_weights_as_torchvision(arch, 
     ckpt = tmp_path / "run"
     proc = run_tool("test_net.py", "--cfg", cfg_file(arch), "CKPT", ckpt,
                     "DATA.CUSTOM", custom_datasets(("coco_mini", json_file, image_dir)),
-                    "TEST.DATASETS", "('coco_mini',)", "TEST.WEIGHTS", weights, "TEST.AMP.ENABLED", "False")
+                    "TEST.DATASETS", "('coco_mini',)", "TEST.WEIGHTS", weights, "TEST.AMP.ENABLED", "False",
+                    *SMALL_FLOPS)
     assert "did not load" not in proc.stderr + proc.stdout
     for task in ("bbox", "segm") if arch == "mask_rcnn" else ("bbox",):
         worst = assert_results_match_torchvision(json.loads((ckpt / "test" / f"{task}.json").read_text()), expected)

@@ -1,20 +1,30 @@
 """Pictures a researcher looks at: training curves from metrics.json, detections over images, evaluation diagnostics."""
 from __future__ import annotations
 
+import functools
 import os
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 import cv2
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import numpy as np
 
 __all__ = ["plot_training_curves", "draw_detections", "plot_pr_curves", "plot_confusion_matrix", "plot_error_breakdown"]
 
 _LINESTYLES = ("-", "--", ":", "-.")
+
+
+@functools.cache
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend, imported at the first picture: matplotlib takes ~0.4 s to
+    import, which every tool process would pay, most of them never drawing a curve."""
+    import matplotlib  # here, not at the top: see above
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # after choosing the backend
+
+    return matplotlib.pyplot
 
 
 def _series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
@@ -37,8 +47,8 @@ def plot_training_curves(runs: Sequence[list[dict]], out_png: str, labels: Seque
         ("validation", [k for k in keys if "/AP" in k and k.rsplit("/", 1)[-1] in ("AP", "AP50", "AP75")]),
     ]
     panels = [(title, ks) for title, ks in panels if any(_series(r, k)[0] for r in runs for k in ks)]
-    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(4.2 * max(len(panels), 1), 3.4), squeeze=False)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, axes = _pyplot().subplots(1, max(len(panels), 1), figsize=(4.2 * max(len(panels), 1), 3.4), squeeze=False)
+    colors = _pyplot().rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (title, panel_keys) in zip(axes[0], panels):
         for run_idx, (records, label) in enumerate(zip(runs, labels)):
             for key_idx, key in enumerate(panel_keys):
@@ -58,7 +68,7 @@ def plot_training_curves(runs: Sequence[list[dict]], out_png: str, labels: Seque
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
     fig.savefig(out_png, dpi=100)
-    plt.close(fig)
+    _pyplot().close(fig)
     return out_png
 
 
@@ -112,7 +122,7 @@ def draw_detections(
 
 def _class_color(label: str) -> tuple[int, int, int]:
     """A tab10 colour fixed by the class name, so a class looks the same in every picture."""
-    return tuple(int(255 * c) for c in plt.get_cmap("tab10")(zlib.crc32(label.encode()) % 10)[:3])
+    return tuple(int(255 * c) for c in _pyplot().get_cmap("tab10")(zlib.crc32(label.encode()) % 10)[:3])
 
 
 def plot_pr_curves(classes: Sequence[dict], recall: Sequence[float], out_png: str, title: str = "") -> str:
@@ -125,8 +135,8 @@ def plot_pr_curves(classes: Sequence[dict], recall: Sequence[float], out_png: st
     past that the JSON next to the picture holds the per-class numbers. Returns ``out_png``.
     """
     scored = [c for c in classes if c["precision_iou50"] is not None]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True)
-    colors = plt.get_cmap("tab20" if len(scored) > 10 else "tab10").colors
+    fig, axes = _pyplot().subplots(1, 2, figsize=(11, 4.6), sharey=True)
+    colors = _pyplot().get_cmap("tab20" if len(scored) > 10 else "tab10").colors
     for ax, key, ap_key, name in ((axes[0], "precision_iou50", "AP50", "IoU 0.5"),
                                   (axes[1], "precision_iou50_95", "AP", "IoU 0.5:0.95")):
         for i, c in enumerate(scored):
@@ -156,7 +166,7 @@ def plot_confusion_matrix(matrix: np.ndarray, labels: Sequence[str], out_png: st
     shares = matrix / np.maximum(matrix.sum(axis=1, keepdims=True), 1)
     size = min(15.0, max(4.0, 0.42 * len(labels) + 2.0))
     fontsize = 8 if len(labels) <= 30 else 5
-    fig, ax = plt.subplots(figsize=(size + 1.0, size))
+    fig, ax = _pyplot().subplots(figsize=(size + 1.0, size))
     image = ax.imshow(shares, cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
     fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="share of the row")
     ticks = np.arange(len(labels))
@@ -177,7 +187,7 @@ def plot_confusion_matrix(matrix: np.ndarray, labels: Sequence[str], out_png: st
 def plot_error_breakdown(delta_ap: dict[str, float], counts: dict[str, int], out_png: str, title: str = "") -> str:
     """Two bar charts: AP points gained by fixing each error type, and how many detections (and missed
     ground truth) fall in each outcome. Returns ``out_png``."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.4))
+    fig, (left, right) = _pyplot().subplots(1, 2, figsize=(10, 3.4))
     names = list(delta_ap)
     left.barh(names, [delta_ap[n] for n in names], color="C3")
     left.invert_yaxis()
@@ -198,9 +208,9 @@ def plot_error_breakdown(delta_ap: dict[str, float], counts: dict[str, int], out
     return _save(fig, out_png)
 
 
-def _save(fig: plt.Figure, out_png: str) -> str:
+def _save(fig: Any, out_png: str) -> str:
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
     fig.savefig(out_png, dpi=100)
-    plt.close(fig)
+    _pyplot().close(fig)
     return out_png
