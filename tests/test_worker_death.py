@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import DEMO_CFG, final_weights, run_tool, tiny_set_opts
 
+from pet.data import workers
 from pet.data.workers import WORKER_DIED_EXIT_CODE, fetch, worker_death
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -116,40 +117,42 @@ def test_torchs_worker_errors_are_recognised_and_others_are_not(message, expecte
     assert worker_death(ValueError(message)) is None
 
 
-def test_a_raising_sigchld_handler_becomes_a_note_read_at_the_next_fetch():
-    """torch's handler raising mid-step (here, at an arbitrary point) is turned into a death the next fetch reports."""
+@pytest.fixture
+def dying_worker_handler():
+    """A SIGCHLD handler that raises as torch's does for a killed worker (pid 7), installed for one test.
+
+    Afterwards both the process's handler and the handler Pet's watch wraps are put back: the watch wrapping this
+    fake one would report "pid 7" at every later SIGCHLD of the process (a later test's compile workers exiting).
+    """
     def torchs_handler(signum, frame):
         raise RuntimeError("DataLoader worker (pid 7) is killed by signal: Killed. ")
 
-    previous = signal.signal(signal.SIGCHLD, torchs_handler)
-    try:
-        batches = iter(range(3))
-        assert fetch(batches) == (0, None)  # the first fetch arms the watch over the handler it finds
-        signal.raise_signal(signal.SIGCHLD)  # nothing is raised here
-        batch, death = fetch(batches)
-        assert batch is None and death.startswith("data-loading worker (pid 7) was killed by signal SIGKILL")
-        assert fetch(batches) == (2, None)  # reported once
-    finally:
-        signal.signal(signal.SIGCHLD, previous)
+    previous, wrapped = signal.signal(signal.SIGCHLD, torchs_handler), workers._WATCH._wrapped
+    yield
+    signal.signal(signal.SIGCHLD, previous)
+    workers._WATCH._wrapped, workers._WATCH.death = wrapped, None
 
 
-def test_a_death_noted_for_an_earlier_iteration_does_not_stop_the_next_one():
+def test_a_raising_sigchld_handler_becomes_a_note_read_at_the_next_fetch(dying_worker_handler):
+    """torch's handler raising mid-step (here, at an arbitrary point) is turned into a death the next fetch reports."""
+    batches = iter(range(3))
+    assert fetch(batches) == (0, None)  # the first fetch arms the watch over the handler it finds
+    signal.raise_signal(signal.SIGCHLD)  # nothing is raised here
+    batch, death = fetch(batches)
+    assert batch is None and death.startswith("data-loading worker (pid 7) was killed by signal SIGKILL")
+    assert fetch(batches) == (2, None)  # reported once
+
+
+def test_a_death_noted_for_an_earlier_iteration_does_not_stop_the_next_one(dying_worker_handler):
     """A death noted after a run's last fetch (another run in the same process, a finished loader) belongs to
     that run: a new iteration's fetches ignore it, while the iteration it was noted in still reports it."""
-    def torchs_handler(signum, frame):
-        raise RuntimeError("DataLoader worker (pid 7) is killed by signal: Killed. ")
-
-    previous = signal.signal(signal.SIGCHLD, torchs_handler)
-    try:
-        first = iter(range(3))
-        assert fetch(first) == (0, None)
-        signal.raise_signal(signal.SIGCHLD)  # noted after the first run's last fetch
-        second = iter(range(10, 13))
-        assert fetch(second) == (10, None)
-        signal.raise_signal(signal.SIGCHLD)
-        assert fetch(second)[1] is not None  # the iteration it happened in still hears of it
-    finally:
-        signal.signal(signal.SIGCHLD, previous)
+    first = iter(range(3))
+    assert fetch(first) == (0, None)
+    signal.raise_signal(signal.SIGCHLD)  # noted after the first run's last fetch
+    second = iter(range(10, 13))
+    assert fetch(second) == (10, None)
+    signal.raise_signal(signal.SIGCHLD)
+    assert fetch(second)[1] is not None  # the iteration it happened in still hears of it
 
 
 def test_a_worker_of_the_test_loader_dying_is_one_line_and_exit_75(shapes_set, tmp_path):
