@@ -9,12 +9,17 @@ The repeat-factor samplers (LVIS' class-balanced sampling) draw each pass with i
 repeated ``r_i`` times (see :func:`pet.data.balance.repeat_factors`): ``floor(r_i)`` copies
 plus one more with probability ``r_i - floor(r_i)``, drawn per pass from the pass's seeded
 generator, so the counts match ``r_i`` in expectation and the stream is fixed by the seed.
+
+Resuming skips batches by arithmetic on the passes, not by walking them: the training samplers offer
+their rank's stream pass by pass as arrays (``shard_passes``), and the batch samplers skip whole passes
+by counting (see :class:`_ResumableBatches`). A torch Generator cannot jump ahead, so each skipped pass
+is still drawn, as two or three tensor calls (tens of microseconds for a thousand images).
 """
 from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -51,21 +56,42 @@ class _ShuffledSampler(Sampler):
         """Items in one epoch over all ranks (before an epoch sampler pads it for the ranks)."""
         return self.size
 
-    def _draw(self, g: torch.Generator) -> list[tuple[int, int]]:
-        """One pass: every index once, shuffled, each with its own transform seed."""
-        return _draw_pass(self.size, g, self.shuffle)
+    def _draw(self, g: torch.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """One pass, as (indices, seeds): every index once, shuffled, each with its own transform seed."""
+        order = torch.randperm(self.size, generator=g) if self.shuffle else torch.arange(self.size)
+        seeds = torch.randint(_SEED_LIMIT, (self.size,), generator=g)
+        return order.numpy(), seeds.numpy()
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return _items(self.shard_passes())
+
+    def shard_passes(self, skip: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """This rank's items, after its first ``skip``, pass by pass as (indices, seeds) arrays.
+
+        Iterating the sampler yields the same items one by one; the batch samplers use the arrays
+        to skip whole passes when resuming without touching their items in Python.
+        """
+        raise NotImplementedError
 
 
 class TrainingSampler(_ShuffledSampler):
     """An infinite, seeded stream of shuffled passes over the data; rank r takes every world_size-th item."""
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        return itertools.islice(self._infinite(), self.rank, None, self.world_size)
-
-    def _infinite(self) -> Iterator[tuple[int, int]]:
+    def shard_passes(self, skip: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         g = torch.Generator().manual_seed(self.seed)
+        start = 0  # the global position of the pass's first item
         while True:
-            yield from self._draw(g)
+            indices, seeds = self._draw(g)
+            # Rank r takes the global positions p with p % world_size == r: in this pass, from offset `phase` on.
+            phase = (self.rank - start) % self.world_size
+            start += len(indices)
+            count = len(range(phase, len(indices), self.world_size))
+            if skip >= count:
+                skip -= count
+                continue
+            first = phase + skip * self.world_size
+            skip = 0
+            yield indices[first::self.world_size], seeds[first::self.world_size]
 
 
 class EpochSampler(_ShuffledSampler):
@@ -84,12 +110,13 @@ class EpochSampler(_ShuffledSampler):
     def __len__(self) -> int:
         return -(-self.pass_size // self.world_size)
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:
+    def shard_passes(self, skip: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """This epoch's share of the rank after its first ``skip`` items, as one (indices, seeds) pair."""
         g = torch.Generator().manual_seed(self.seed + self.epoch * 1_000_003)
-        items = self._draw(g)
         total = len(self) * self.world_size
-        items = (items * (-(-total // len(items))))[:total]
-        return iter(items[self.rank:total:self.world_size])
+        # np.resize repeats the pass from its start up to `total` items, or cuts it there.
+        indices, seeds = (np.resize(a, total)[self.rank::self.world_size][skip:] for a in self._draw(g))
+        yield indices, seeds
 
 
 class _RepeatFactors(_ShuffledSampler):
@@ -113,12 +140,12 @@ class _RepeatFactors(_ShuffledSampler):
         """The expected number of items a pass draws, sum(r_i), rounded to the nearest integer."""
         return max(1, int(round(float(self.repeat_factors.sum()))))
 
-    def _draw(self, g: torch.Generator) -> list[tuple[int, int]]:
+    def _draw(self, g: torch.Generator) -> tuple[np.ndarray, np.ndarray]:
         extra = (torch.rand(self.size, generator=g, dtype=torch.float64) < self._fraction).numpy()
         indices = np.repeat(np.arange(self.size), self._whole + extra)
         order = torch.randperm(len(indices), generator=g).numpy() if self.shuffle else np.arange(len(indices))
         seeds = torch.randint(_SEED_LIMIT, (len(indices),), generator=g)
-        return list(zip(indices[order].tolist(), seeds.tolist()))
+        return indices[order], seeds.numpy()
 
 
 class RepeatFactorTrainingSampler(_RepeatFactors, TrainingSampler):
@@ -126,7 +153,7 @@ class RepeatFactorTrainingSampler(_RepeatFactors, TrainingSampler):
 
     The infinite stream is pass after pass, each of random length (``sum(r_i)`` in expectation);
     rank r takes every world_size-th item of it, so shards are disjoint and together cover every
-    pass, and resuming skips items by index arithmetic like the plain sampler.
+    pass. Resuming draws each skipped pass to learn its length, then skips it whole, like the plain sampler.
     """
 
 
@@ -166,7 +193,9 @@ class _ResumableBatches:
     resumed run then sees exactly the batches (and per-sample seeds) it would have seen.
     "The next pass" is the first one a batch is drawn from: a DataLoader with workers calls
     ``iter()`` twice when it starts (once in its constructor, once in its reset) and draws from
-    the second only.
+    the second only. Over a sampler with ``shard_passes`` (Pet's training samplers) the skip
+    counts whole passes of arrays, so its cost hardly grows with ``n``; over any other sampler
+    the skipped items are drawn one by one.
     """
 
     _start_iter = 0
@@ -174,25 +203,39 @@ class _ResumableBatches:
     def set_start_iter(self, start_iter: int) -> None:
         self._start_iter = start_iter
 
-    def _resume(self, batches: Iterator[list]) -> Iterator[list]:
+    def __iter__(self) -> Iterator[list]:
         skip = self._start_iter
 
         def resumed() -> Iterator[list]:
             self._start_iter = 0  # runs at the first batch drawn, not at iter()
-            yield from itertools.islice(batches, skip, None)
+            yield from self._batches(skip)
 
         return resumed()
 
+    def _batches(self, skip: int) -> Iterator[list]:
+        """The batches of one pass after its first ``skip``."""
+        raise NotImplementedError
+
 
 class BatchSampler(_ResumableBatches, torch.utils.data.BatchSampler):
-    """torch's BatchSampler, forwarding ``set_epoch`` to the sampler (the train loop calls it on the batch sampler)."""
+    """torch's BatchSampler, forwarding ``set_epoch`` to the sampler (the train loop calls it on the batch sampler).
+
+    Batches are consecutive runs of ``batch_size`` items, so skipping ``n`` batches is skipping
+    ``n * batch_size`` items.
+    """
 
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
 
-    def __iter__(self) -> Iterator[list]:
-        return self._resume(super().__iter__())
+    def _batches(self, skip: int) -> Iterator[list]:
+        if hasattr(self.sampler, "shard_passes"):
+            items = _items(self.sampler.shard_passes(skip * self.batch_size))
+        else:
+            items = itertools.islice(iter(self.sampler), skip * self.batch_size, None)
+        while batch := list(itertools.islice(items, self.batch_size)):
+            if len(batch) == self.batch_size or not self.drop_last:
+                yield batch
 
 
 class GroupedBatchSampler(_ResumableBatches, Sampler):
@@ -201,12 +244,17 @@ class GroupedBatchSampler(_ResumableBatches, Sampler):
     Indices are buffered per group and a batch is emitted when a group has ``batch_size``
     of them. For a finite sampler, the leftovers are batched together at the end in the
     order they arrived, so a pass yields exactly ``len(sampler) // batch_size`` batches.
+    Resuming over ``shard_passes`` counts each skipped pass's batches per group
+    (:class:`_GroupSkip`) and rebuilds the buckets as they are at the resume point.
     """
 
     def __init__(self, sampler: Sampler, group_ids: Sequence[int] | np.ndarray, batch_size: int) -> None:
         self.sampler = sampler
         self.group_ids = np.asarray(group_ids)
         self.batch_size = batch_size
+        # Each group as 0..G-1: the buckets' keys, and what the skip counts with.
+        self._groups, self._codes = np.unique(self.group_ids, return_inverse=True)
+        self._codes = self._codes.reshape(-1)
 
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.sampler, "set_epoch"):
@@ -215,14 +263,21 @@ class GroupedBatchSampler(_ResumableBatches, Sampler):
     def __len__(self) -> int:
         return len(self.sampler) // self.batch_size  # type: ignore[arg-type]
 
-    def __iter__(self) -> Iterator[list]:
-        return self._resume(self._batches())
-
-    def _batches(self) -> Iterator[list]:
+    def _batches(self, skip: int) -> Iterator[list]:
         buckets: dict[int, list[tuple[int, object]]] = defaultdict(list)
-        for arrival, item in enumerate(self.sampler):
+        items: Iterator[tuple[int, object]] = enumerate(self.sampler)
+        if skip and hasattr(self.sampler, "shard_passes"):
+            state = _GroupSkip(self._codes, len(self._groups), self.batch_size)
+            items, skip = state.skip(self.sampler.shard_passes(), skip)
+            buckets.update(state.buckets())
+        return itertools.islice(self._grouped(items, buckets), skip, None)
+
+    def _grouped(self, items: Iterator[tuple[int, object]],
+                 buckets: dict[int, list[tuple[int, object]]]) -> Iterator[list]:
+        """The batches of ``(arrival, item)`` pairs, added to ``buckets`` (one list per group)."""
+        for arrival, item in items:
             index = item[0] if isinstance(item, tuple) else item
-            bucket = buckets[int(self.group_ids[index])]
+            bucket = buckets[int(self._codes[index])]
             bucket.append((arrival, item))
             if len(bucket) == self.batch_size:
                 yield [it for _, it in bucket]
@@ -232,7 +287,76 @@ class GroupedBatchSampler(_ResumableBatches, Sampler):
             yield leftovers[start:start + self.batch_size]
 
 
-def _draw_pass(size: int, g: torch.Generator, shuffle: bool) -> list[tuple[int, int]]:
-    order = torch.randperm(size, generator=g) if shuffle else torch.arange(size)
-    seeds = torch.randint(_SEED_LIMIT, (size,), generator=g)
-    return list(zip(order.tolist(), seeds.tolist()))
+class _GroupSkip:
+    """The buckets of :class:`GroupedBatchSampler` carried over a rank's stream pass by pass, as arrays.
+
+    For each group, ``carry`` counts the items waiting in its bucket (fewer than ``batch_size``)
+    and ``pending`` holds them (index, seed, group), in arrival order: in a rare group they can
+    come from several passes back. A pass with ``count`` items of a group emits
+    ``(carry + count) // batch_size`` of its batches, each at the arrival of the item that fills
+    the bucket, so the batch order is the order of those arrivals.
+    """
+
+    def __init__(self, codes: np.ndarray, num_groups: int, batch_size: int) -> None:
+        self.codes = codes
+        self.num_groups = num_groups
+        self.batch_size = batch_size
+        self.carry = np.zeros(num_groups, dtype=np.int64)
+        self.pending = (np.empty(0, np.int64),) * 3
+        self.arrived = 0  # items of the stream consumed so far
+
+    def skip(self, passes: Iterator[tuple[np.ndarray, np.ndarray]],
+             skip: int) -> tuple[Iterator[tuple[int, tuple[int, int]]], int]:
+        """Consume ``passes`` up to the item that emits batch ``skip``.
+
+        Returns the stream after that item as ``(arrival, (index, seed))`` and the batches still to
+        skip (non-zero only when a finite stream ends first: they come from its leftovers).
+        """
+        for indices, seeds in passes:
+            groups = self.codes[indices]
+            fill = self._fill(groups)  # per item: its bucket's size once it is in, counting from the last batch
+            emitted = np.flatnonzero(fill % self.batch_size == 0)
+            if len(emitted) < skip:
+                self._advance(indices, seeds, groups, fill)
+                skip -= len(emitted)
+                continue
+            cut = emitted[skip - 1] + 1
+            self._advance(indices[:cut], seeds[:cut], groups[:cut], fill[:cut])
+            rest = itertools.chain(_items([(indices[cut:], seeds[cut:])]), _items(passes))
+            return enumerate(rest, self.arrived), 0
+        return iter(()), skip
+
+    def buckets(self) -> dict[int, list[tuple[int, tuple[int, int]]]]:
+        """The pending items as the grouped sampler's buckets: group -> [(arrival, (index, seed)), ...].
+
+        Only the arrivals' order matters (for a finite stream's leftovers): the pending items are
+        numbered in their order, below the arrival of any item still to come.
+        """
+        buckets: dict[int, list[tuple[int, tuple[int, int]]]] = defaultdict(list)
+        for arrival, (index, seed, group) in enumerate(zip(*(a.tolist() for a in self.pending))):
+            buckets[group].append((arrival, (index, seed)))
+        return buckets
+
+    def _fill(self, groups: np.ndarray) -> np.ndarray:
+        """For each item, ``carry`` of its group plus its 1-based place among its group's items here."""
+        counts = np.bincount(groups, minlength=self.num_groups)
+        by_group = np.argsort(groups, kind="stable")
+        place = np.empty(len(groups), dtype=np.int64)
+        place[by_group] = np.arange(1, len(groups) + 1) - np.repeat(np.cumsum(counts) - counts, counts)
+        return self.carry[groups] + place
+
+    def _advance(self, indices: np.ndarray, seeds: np.ndarray, groups: np.ndarray, fill: np.ndarray) -> None:
+        """Take in these items: the buckets keep what follows the last batch of each group."""
+        total = self.carry + np.bincount(groups, minlength=self.num_groups)
+        emptied_at = total - total % self.batch_size  # the fill of each group's last emitted item (or 0)
+        waiting = fill > emptied_at[groups]
+        kept = emptied_at[self.pending[2]] == 0  # the groups that emitted nothing keep their earlier items
+        self.pending = tuple(np.concatenate([old[kept], new[waiting]])
+                             for old, new in zip(self.pending, (indices, seeds, groups)))
+        self.carry = total % self.batch_size
+        self.arrived += len(indices)
+
+
+def _items(passes: Iterable[tuple[np.ndarray, np.ndarray]]) -> Iterator[tuple[int, int]]:
+    """The (index, seed) pairs of (indices, seeds) arrays, as Python ints."""
+    return itertools.chain.from_iterable(zip(indices.tolist(), seeds.tolist()) for indices, seeds in passes)
