@@ -18,7 +18,7 @@ is still drawn, as two or three tensor calls (tens of microseconds for a thousan
 from __future__ import annotations
 
 import itertools
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -288,13 +288,14 @@ class GroupedBatchSampler(_ResumableBatches, Sampler):
 
 
 class _GroupSkip:
-    """The buckets of :class:`GroupedBatchSampler` carried over a rank's stream pass by pass, as arrays.
+    """The buckets of :class:`GroupedBatchSampler` carried over a rank's stream pass by pass, counted with arrays.
 
-    For each group, ``carry`` counts the items waiting in its bucket (fewer than ``batch_size``)
-    and ``pending`` holds them (index, seed, group), in arrival order: in a rare group they can
-    come from several passes back. A pass with ``count`` items of a group emits
-    ``(carry + count) // batch_size`` of its batches, each at the arrival of the item that fills
-    the bucket, so the batch order is the order of those arrivals.
+    For each group, ``carry`` counts the items waiting in its bucket (fewer than ``batch_size``):
+    a pass with ``count`` items of the group emits ``(carry + count) // batch_size`` batches, each
+    at the arrival of the item that fills the bucket, so the batch order is the order of those
+    arrivals. The waiting items are the last ``carry`` of their group; in a rare group they can
+    come from several passes back, so the passes since the oldest waiting item are kept
+    (``since``: per group, the pass of its oldest waiting item) to rebuild the buckets at the end.
     """
 
     def __init__(self, codes: np.ndarray, num_groups: int, batch_size: int) -> None:
@@ -302,7 +303,8 @@ class _GroupSkip:
         self.num_groups = num_groups
         self.batch_size = batch_size
         self.carry = np.zeros(num_groups, dtype=np.int64)
-        self.pending = (np.empty(0, np.int64),) * 3
+        self.since = np.zeros(num_groups, dtype=np.int64)
+        self.recent: deque[tuple[int, np.ndarray, np.ndarray]] = deque()  # (pass number, indices, seeds)
         self.arrived = 0  # items of the stream consumed so far
 
     def skip(self, passes: Iterator[tuple[np.ndarray, np.ndarray]],
@@ -312,49 +314,59 @@ class _GroupSkip:
         Returns the stream after that item as ``(arrival, (index, seed))`` and the batches still to
         skip (non-zero only when a finite stream ends first: they come from its leftovers).
         """
-        for indices, seeds in passes:
+        for number, (indices, seeds) in enumerate(passes):
             groups = self.codes[indices]
-            fill = self._fill(groups)  # per item: its bucket's size once it is in, counting from the last batch
-            emitted = np.flatnonzero(fill % self.batch_size == 0)
-            if len(emitted) < skip:
-                self._advance(indices, seeds, groups, fill)
-                skip -= len(emitted)
+            counts = np.bincount(groups, minlength=self.num_groups)
+            emitted = int(((self.carry + counts) // self.batch_size).sum())
+            if emitted < skip:
+                self._take(number, indices, seeds, counts)
+                skip -= emitted
                 continue
-            cut = emitted[skip - 1] + 1
-            self._advance(indices[:cut], seeds[:cut], groups[:cut], fill[:cut])
+            # The bucket sizes as each item arrives, counting from the group's last batch; a batch leaves when
+            # its bucket is full.
+            fill = self.carry[groups] + _places(groups, counts)
+            cut = np.flatnonzero(fill % self.batch_size == 0)[skip - 1] + 1
+            self._take(number, indices[:cut], seeds[:cut], np.bincount(groups[:cut], minlength=self.num_groups))
             rest = itertools.chain(_items([(indices[cut:], seeds[cut:])]), _items(passes))
             return enumerate(rest, self.arrived), 0
         return iter(()), skip
 
     def buckets(self) -> dict[int, list[tuple[int, tuple[int, int]]]]:
-        """The pending items as the grouped sampler's buckets: group -> [(arrival, (index, seed)), ...].
+        """The waiting items as the grouped sampler's buckets: group -> [(arrival, (index, seed)), ...].
 
-        Only the arrivals' order matters (for a finite stream's leftovers): the pending items are
+        Only the arrivals' order matters (for a finite stream's leftovers): the waiting items are
         numbered in their order, below the arrival of any item still to come.
         """
+        indices = np.concatenate([i for _, i, _ in self.recent] or [np.empty(0, np.int64)])
+        seeds = np.concatenate([s for _, _, s in self.recent] or [np.empty(0, np.int64)])
+        groups = self.codes[indices]
+        counts = np.bincount(groups, minlength=self.num_groups)
+        waiting = counts[groups] - _places(groups, counts) < self.carry[groups]  # the last `carry` of each group
         buckets: dict[int, list[tuple[int, tuple[int, int]]]] = defaultdict(list)
-        for arrival, (index, seed, group) in enumerate(zip(*(a.tolist() for a in self.pending))):
+        items = zip(indices[waiting].tolist(), seeds[waiting].tolist(), groups[waiting].tolist())
+        for arrival, (index, seed, group) in enumerate(items):
             buckets[group].append((arrival, (index, seed)))
         return buckets
 
-    def _fill(self, groups: np.ndarray) -> np.ndarray:
-        """For each item, ``carry`` of its group plus its 1-based place among its group's items here."""
-        counts = np.bincount(groups, minlength=self.num_groups)
-        by_group = np.argsort(groups, kind="stable")
-        place = np.empty(len(groups), dtype=np.int64)
-        place[by_group] = np.arange(1, len(groups) + 1) - np.repeat(np.cumsum(counts) - counts, counts)
-        return self.carry[groups] + place
-
-    def _advance(self, indices: np.ndarray, seeds: np.ndarray, groups: np.ndarray, fill: np.ndarray) -> None:
-        """Take in these items: the buckets keep what follows the last batch of each group."""
-        total = self.carry + np.bincount(groups, minlength=self.num_groups)
-        emptied_at = total - total % self.batch_size  # the fill of each group's last emitted item (or 0)
-        waiting = fill > emptied_at[groups]
-        kept = emptied_at[self.pending[2]] == 0  # the groups that emitted nothing keep their earlier items
-        self.pending = tuple(np.concatenate([old[kept], new[waiting]])
-                             for old, new in zip(self.pending, (indices, seeds, groups)))
+    def _take(self, number: int, indices: np.ndarray, seeds: np.ndarray, counts: np.ndarray) -> None:
+        """Count in items of pass ``number``; keep the passes that hold waiting items."""
+        total = self.carry + counts
+        # A group that emitted here, or had nothing waiting, now waits for items of this pass (if any).
+        self.since = np.where((total >= self.batch_size) | (self.carry == 0), number, self.since)
         self.carry = total % self.batch_size
+        self.since[self.carry == 0] = number + 1
+        self.recent.append((number, indices, seeds))
+        while self.recent and self.recent[0][0] < self.since.min():
+            self.recent.popleft()
         self.arrived += len(indices)
+
+
+def _places(groups: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Each item's 1-based place among the items of its group (``counts`` per group)."""
+    by_group = np.argsort(groups, kind="stable")
+    places = np.empty(len(groups), dtype=np.int64)
+    places[by_group] = np.arange(1, len(groups) + 1) - np.repeat(np.cumsum(counts) - counts, counts)
+    return places
 
 
 def _items(passes: Iterable[tuple[np.ndarray, np.ndarray]]) -> Iterator[tuple[int, int]]:
