@@ -14,6 +14,7 @@
                                       [--vid-stride 2] [--out FILE]
     python tools/benchmark.py tiles   [--mosaic 192] [--scenes 3] [--tile 256] [--tile-overlap 0.25] [--batch 8]
                                       [--max-det 5000] [--sahi [--sahi-conf 0.3]] [--out FILE]
+    python tools/benchmark.py resume-skip [--iters 10 90000 900000] [--world-size 2] [--repeats 3] [--out FILE]
 
 engine: Pet's Trainer overhead per iteration over a plain loop and MMEngine's Runner
 (tools/benchmarks/engine.py). train / infer: Pet's detectors against torchvision's on the same
@@ -27,6 +28,8 @@ predict: tools/predict.py with the trained demo model: memory and images/s of a 
 video frames/s (tools/benchmarks/predict.py). tiles: tiled prediction with each merge against the same model on
 uncut pictures (a mosaic of demo pictures, generated scenes) and against SAHI's sliced prediction of the same
 model with every merge setting (--sahi, with sahi importable) (tools/benchmarks/tiles.py).
+resume-skip: the wait for the first batch after resuming at iteration n, Pet's skip by pass arithmetic against the
+item-by-item skip (tools/benchmarks/resume_skip.py).
 Every table starts with the machine's fingerprint, which the JSON keeps with the command.
 """
 from __future__ import annotations
@@ -39,7 +42,7 @@ import time
 
 import torch
 
-from benchmarks import coco_eval, data, detectors, engine, onnx, predict, tiles
+from benchmarks import coco_eval, data, detectors, engine, onnx, predict, resume_skip, tiles
 from benchmarks.common import fingerprint
 
 
@@ -62,6 +65,7 @@ def main() -> None:
     onnx.add_arguments(sub.add_parser("onnx", help="PyTorch inference against the ONNX export in onnxruntime"))
     predict.add_arguments(sub.add_parser("predict", help="tools/predict.py: streams and video"))
     tiles.add_arguments(sub.add_parser("tiles", help="tiled prediction against uncut pictures and SAHI"))
+    resume_skip.add_arguments(sub.add_parser("resume-skip", help="first batch after a resume, two ways of skipping"))
     args = parser.parse_args()
     if args.command in ("train", "infer", "onnx"):
         torch.set_num_threads(args.threads)
@@ -70,7 +74,7 @@ def main() -> None:
     else:
         run = {"engine": engine.engine, "data": data.data, "coco-eval": coco_eval.coco_eval,
                "onnx": onnx.onnx_vs_pytorch, "predict": predict.predict_benchmark,
-               "tiles": tiles.tiles_benchmark}[args.command]
+               "tiles": tiles.tiles_benchmark, "resume-skip": resume_skip.resume_skip}[args.command]
     machine = fingerprint()
     result = {"command": " ".join(sys.argv), "machine": machine, "date": time.strftime("%Y-%m-%d"),
               **run(args, machine)}
