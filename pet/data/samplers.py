@@ -194,8 +194,9 @@ class _ResumableBatches:
     "The next pass" is the first one a batch is drawn from: a DataLoader with workers calls
     ``iter()`` twice when it starts (once in its constructor, once in its reset) and draws from
     the second only. Over a sampler with ``shard_passes`` (Pet's training samplers) the skip
-    counts whole passes of arrays, so its cost hardly grows with ``n``; over any other sampler
-    the skipped items are drawn one by one.
+    counts whole passes of arrays, so its cost grows with the passes skipped, not the batches;
+    over any other sampler the skipped items are drawn one by one. (MMEngine's iteration loop
+    instead advances its loader batch by batch on resume, loading each batch.)
     """
 
     _start_iter = 0
