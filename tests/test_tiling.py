@@ -49,3 +49,21 @@ def test_an_object_larger_than_the_overlap_is_one_box_joined_from_its_pieces():
     small whole neighbour below them in tile 1 stays apart."""
     assert merge([((170, 40, 256, 130), 0.9, 1, 0), ((192, 41, 260, 130), 0.7, 2, 1),
                   ((236, 130, 266, 160), 0.8, 3, 1)]) == [([170, 40, 260, 130], 1), ([236, 130, 266, 160], 3)]
+
+
+def test_a_detection_another_tile_sees_and_finds_nothing_at_is_dropped():
+    """Tile 0 takes something in the overlap for a 40 px rectangle (class 2); tile 1 sees the same pixels in its
+    own context and finds nothing there: it goes. A 40 px circle below it, in the overlap too, is found by both
+    tiles (as different classes: the other tile's detection confirms whatever its class) and stays."""
+    assert merge([((200, 100, 240, 140), 0.9, 2, 0), ((210, 180, 250, 220), 0.9, 1, 0),
+                  ((210, 181, 250, 220), 0.8, 3, 1)]) == [([210, 180, 250, 220], 1), ([210, 181, 250, 220], 3)]
+
+
+def test_a_whole_detection_of_noise_does_not_erase_the_pieces_of_an_object():
+    """A 67 px circle (x 193-260) is cut by both tiles: tile 0 sees x 193-256, tile 1 reaches its own left edge
+    (192 + 4 px). Each tile also makes a whole detection of noise lying over the other
+    tile's piece (0.03 / 0.02, classes 2 and 3); below 0.05 it is no view of the object, so the pieces are
+    joined, not dropped."""
+    noise = [((200, 105, 255, 155), 0.03, 2, 1), ((195, 105, 250, 155), 0.02, 3, 0)]
+    assert merge([((193, 100, 256, 160), 0.95, 1, 0), ((193, 100, 260, 160), 0.9, 1, 1), *noise]) == [
+        ([193, 100, 260, 160], 1), ([195, 105, 250, 155], 3), ([200, 105, 255, 155], 2)]

@@ -11,12 +11,20 @@ comes from: a detection that reaches an inner edge of its tile (within ``margin`
 is *cut*, a candidate fragment; any other is *whole*. The aim is the detections the model makes on a
 picture small enough to need no tiles.
 
+0. Cross-tile consensus: a detection is dropped when another tile sees most of its box (3/4) and makes
+   no detection there (none scoring >= 0.1 covers half of what that tile sees of it). The same pixels
+   in another context gave nothing: what a tile took for an object is its reaction to where the tile
+   cut the picture (a picture's corner against a plain background taken for a rectangle). An object
+   two tiles see is found by both. The detections below 0.1 are the model's noise at a low test
+   threshold, which would confirm anything.
 1. Whole detections: class-wise NMS (the same object seen whole by two overlapping tiles).
 2. The fragment rule: a cut detection lying mostly inside (intersection over its own area >= ``ios``) a
-   whole detection from *another* tile is a piece of what that tile saw whole: dropped, whatever class
-   or score either has. A fragment is often taken for another class (half a circle looks like a
-   rectangle) and often scores higher than the whole copy, so neither may decide; and the covering
-   detection must be whole, since two pieces of one object cover each other (step 3 joins them).
+   whole detection from *another* tile, scoring >= 0.05, is a piece of what that tile saw whole:
+   dropped, whatever class either has and however much higher the piece scores. A fragment is often
+   taken for another class (half a circle looks like a rectangle) and often scores higher than the
+   whole copy, so neither may decide; but a whole detection below 0.05 is noise, not a view of the
+   object, and may not erase a confident piece of it. The covering detection must be whole, since two
+   pieces of one object cover each other (step 3 joins them).
 3. The cut detections left belong to objects no tile saw whole: two from overlapping tiles, of
    comparable scores, whose boxes agree in the region both tiles see (IoU >= ``iou`` there) are pieces
    of one object, whatever classes they were given; pieces are joined, transitively, into one box,
@@ -24,9 +32,11 @@ picture small enough to need no tiles.
    rebuilt whole.
 4. A last class-wise NMS over the result, then the ``max_det`` best.
 
-The margin and the fragment rule's conditions were measured (docs/predict.md, docs/BENCHMARKS.md):
-requiring the covering detection to score at least half the fragment's score (an earlier version of
-this merge) kept the confident fragments of cut pictures whose whole view scores low.
+The margin, the consensus and the fragment rule's conditions were measured (docs/predict.md,
+docs/BENCHMARKS.md): requiring the covering detection to score at least half the fragment's score (an
+earlier version of this merge) kept the confident fragments of cut pictures whose whole view scores
+low; no score condition at all let a whole detection at 0.01-0.04 erase an object found at 0.9 by the
+tiles that cut it.
 
 :func:`greedy_nmm` is SAHI's default merge (greedy non-maximum merging by intersection over the
 smaller box, class-wise), for comparison: it cannot tell a piece of an object from a neighbouring
@@ -103,6 +113,14 @@ _BLOCK = 1024
 # Two pieces join as one object only when the lower scores at least this fraction of the higher: the many doubtful
 # detections a low threshold keeps must not chain confident ones together.
 _SCORE_RATIO = 0.5
+# The fragment rule's covering detection must score this much: below it, a whole detection is the model's noise at a low
+# test threshold (the demo config keeps 0.01), not a view of the object (pet's default ROI_HEADS.SCORE_THRESH_TEST).
+_COVER_SCORE = 0.05
+# Cross-tile consensus: a detection another tile sees this fraction of must be confirmed there by a detection scoring at
+# least _CONFIRM_SCORE covering half of what that tile sees of it. Measured: seen whole (1.0) leaves most of the false
+# detections (they lie where one tile alone sees them whole); half (0.5) drops real objects of the scenes.
+_SEEN = 0.75
+_CONFIRM_SCORE = 0.1
 
 
 def _pairwise_intersection(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -112,10 +130,35 @@ def _pairwise_intersection(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return wh[..., 0] * wh[..., 1]
 
 
+def _area(boxes: torch.Tensor) -> torch.Tensor:
+    """Areas of XYXY boxes, 0 for empty or inverted ones."""
+    return (boxes[:, 2:] - boxes[:, :2]).clamp(min=0).prod(dim=1)
+
+
+def _unconfirmed(boxes: torch.Tensor, scores: torch.Tensor, tile_ids: torch.Tensor, tiles: torch.Tensor
+                 ) -> torch.Tensor:
+    """Whether another tile sees ``_SEEN`` of each detection's box and none of its own detections scoring
+    ``_CONFIRM_SCORE`` or more covers half of what it sees (step 0 of the module docstring)."""
+    tiles = tiles.to(boxes.dtype)
+    area = _area(boxes)
+    unconfirmed = torch.zeros(len(boxes), dtype=torch.bool)
+    for t, tile in enumerate(tiles):
+        seen = torch.cat([torch.max(boxes[:, :2], tile[:2]), torch.min(boxes[:, 2:], tile[2:])], dim=1)
+        seen_area = _area(seen)
+        judged = torch.nonzero((seen_area > 0) & (seen_area >= _SEEN * area) & (tile_ids != t)).flatten()
+        if not len(judged):
+            continue
+        confirming = boxes[(tile_ids == t) & (scores >= _CONFIRM_SCORE)]
+        covered = _pairwise_intersection(seen[judged], confirming) >= 0.5 * seen_area[judged, None]
+        unconfirmed[judged] |= ~covered.any(dim=1)
+    return unconfirmed
+
+
 def _covered(pieces: torch.Tensor, piece_tiles: torch.Tensor, whole: torch.Tensor, whole_tiles: torch.Tensor,
-             ios: float) -> torch.Tensor:
-    """Whether each piece lies mostly (``ios`` of its own area) inside a whole detection from another tile,
-    whatever the class or score of either (the fragment rule of the module docstring)."""
+             whole_scores: torch.Tensor, ios: float) -> torch.Tensor:
+    """Whether each piece lies mostly (``ios`` of its own area) inside a whole detection from another tile
+    scoring ``_COVER_SCORE`` or more, whatever the class of either (the fragment rule of the module docstring)."""
+    whole, whole_tiles = whole[whole_scores >= _COVER_SCORE], whole_tiles[whole_scores >= _COVER_SCORE]
     if not len(pieces) or not len(whole):
         return torch.zeros(len(pieces), dtype=torch.bool)
     area = box_area(pieces).clamp(min=1e-6)
@@ -124,11 +167,6 @@ def _covered(pieces: torch.Tensor, piece_tiles: torch.Tensor, whole: torch.Tenso
         inside = _pairwise_intersection(pieces[i:i + _BLOCK], whole) / area[i:i + _BLOCK, None] >= ios
         covered.append((inside & (whole_tiles[None] != piece_tiles[i:i + _BLOCK, None])).any(dim=1))
     return torch.cat(covered)
-
-
-def _area(boxes: torch.Tensor) -> torch.Tensor:
-    """Areas of XYXY boxes, 0 for empty or inverted ones."""
-    return (boxes[:, 2:] - boxes[:, :2]).clamp(min=0).prod(dim=1)
 
 
 def _seam_pairs(boxes: torch.Tensor, scores: torch.Tensor, tile_ids: torch.Tensor, tiles: torch.Tensor,
@@ -202,11 +240,13 @@ def merge_seams(boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor,
                 tiles: torch.Tensor, size: tuple[int, int], *, iou: float = 0.5, ios: float = 0.5,
                 margin: float = 4.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The seam-aware merge of the module docstring; returns (boxes, scores, labels), best first."""
+    confirmed = ~_unconfirmed(boxes, scores, tile_ids, tiles)
+    boxes, scores, labels, tile_ids = boxes[confirmed], scores[confirmed], labels[confirmed], tile_ids[confirmed]
     cut = _cut(boxes, tile_ids, tiles, size, margin)
     whole = torch.nonzero(~cut).flatten()
     whole = whole[batched_nms(boxes[whole], scores[whole], labels[whole], iou)]
     pieces = torch.nonzero(cut).flatten()
-    pieces = pieces[~_covered(boxes[pieces], tile_ids[pieces], boxes[whole], tile_ids[whole], ios)]
+    pieces = pieces[~_covered(boxes[pieces], tile_ids[pieces], boxes[whole], tile_ids[whole], scores[whole], ios)]
     out_boxes, out_scores, out_labels = [boxes[whole]], [scores[whole]], [labels[whole]]
     if len(pieces):
         b, s, lab, t = boxes[pieces], scores[pieces], labels[pieces], tile_ids[pieces]
