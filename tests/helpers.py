@@ -74,11 +74,14 @@ def run_tool_here(monkeypatch: Any, capsys: Any, tool: str, *args: object) -> tu
     return status, capsys.readouterr().err
 
 
-def run_tool_captured(tool: str, *args: object) -> subprocess.CompletedProcess:
+def run_tool_captured(tool: str, *args: object, threads: int = 1) -> subprocess.CompletedProcess:
     """:func:`run_tool_here` for a fixture wider than one test (``monkeypatch`` and ``capsys`` are per test): its
-    exit status, stdout (the log's terminal lines) and stderr, as :func:`run_tool` gives them."""
+    exit status, stdout (the log's terminal lines) and stderr, as :func:`run_tool` gives them. ``threads``: the
+    tool's threads, as OMP_NUM_THREADS gives a tool's process them (a comparison with a reference computed on
+    that many threads adds its numbers in the same order)."""
     stdout, stderr = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as monkeypatch, redirect_stdout(stdout), redirect_stderr(stderr):
+        monkeypatch.setenv("OMP_NUM_THREADS", str(threads))
         status = _run_in_this_process(monkeypatch, tool, args)
     return subprocess.CompletedProcess([tool, *map(str, args)], status, stdout.getvalue(), stderr.getvalue())
 
@@ -87,17 +90,19 @@ def _run_in_this_process(monkeypatch: Any, tool: str, args: Sequence[object]) ->
     """``tools/<tool>`` run as ``__main__`` with ``args`` as its command line; its exit status."""
     pet_logger = logging.getLogger("pet")
     saved = pet_logger.handlers[:], pet_logger.propagate, pet_logger.level
+    threads = torch.get_num_threads()
     monkeypatch.setattr(sys, "argv", [tool, *map(str, args)])
     status = 0
     try:
         runpy.run_path(os.path.join(ROOT, "tools", tool), run_name="__main__")
     except SystemExit as exc:
         status = exc.code
-    finally:  # the tools reconfigure the 'pet' logger; later tests rely on it propagating
+    finally:  # the tools reconfigure the 'pet' logger (later tests rely on it propagating) and set the threads
         for handler in set(pet_logger.handlers) - set(saved[0]):
             handler.close()
         pet_logger.handlers[:], pet_logger.propagate = saved[0], saved[1]
         pet_logger.setLevel(saved[2])
+        torch.set_num_threads(threads)
     return status
 
 
