@@ -5,6 +5,7 @@ shapes sets); this module holds plain functions and constants, imported as ``fro
 """
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -14,11 +15,13 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterable, Sequence
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
 import cv2
 import numpy as np
+import pytest
 import torch
 from fvcore.common.config import CfgNode
 
@@ -62,24 +65,45 @@ def run_tool(
 
 
 def run_tool_here(monkeypatch: Any, capsys: Any, tool: str, *args: object) -> tuple[int, str]:
-    """Run ``tools/<tool>`` in this process (a subprocess each would cost seconds); (exit status, stderr).
+    """Run ``tools/<tool>`` with ``args`` in this process (a subprocess each would cost seconds); (exit status,
+    stderr).
 
     ``monkeypatch`` and ``capsys`` are the calling test's fixtures.
     """
+    status = _run_in_this_process(monkeypatch, tool, args)
+    return status, capsys.readouterr().err
+
+
+def run_tool_captured(tool: str, *args: object, threads: int = 1) -> subprocess.CompletedProcess:
+    """:func:`run_tool_here` for a fixture wider than one test (``monkeypatch`` and ``capsys`` are per test): its
+    exit status, stdout (the log's terminal lines) and stderr, as :func:`run_tool` gives them. ``threads``: the
+    tool's threads, as OMP_NUM_THREADS gives a tool's process them (a comparison with a reference computed on
+    that many threads adds its numbers in the same order)."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as monkeypatch, redirect_stdout(stdout), redirect_stderr(stderr):
+        monkeypatch.setenv("OMP_NUM_THREADS", str(threads))
+        status = _run_in_this_process(monkeypatch, tool, args)
+    return subprocess.CompletedProcess([tool, *map(str, args)], status, stdout.getvalue(), stderr.getvalue())
+
+
+def _run_in_this_process(monkeypatch: Any, tool: str, args: Sequence[object]) -> int:
+    """``tools/<tool>`` run as ``__main__`` with ``args`` as its command line; its exit status."""
     pet_logger = logging.getLogger("pet")
     saved = pet_logger.handlers[:], pet_logger.propagate, pet_logger.level
+    threads = torch.get_num_threads()
     monkeypatch.setattr(sys, "argv", [tool, *map(str, args)])
     status = 0
     try:
         runpy.run_path(os.path.join(ROOT, "tools", tool), run_name="__main__")
     except SystemExit as exc:
         status = exc.code
-    finally:  # the tools reconfigure the 'pet' logger; later tests rely on it propagating
+    finally:  # the tools reconfigure the 'pet' logger (later tests rely on it propagating) and set the threads
         for handler in set(pet_logger.handlers) - set(saved[0]):
             handler.close()
         pet_logger.handlers[:], pet_logger.propagate = saved[0], saved[1]
         pet_logger.setLevel(saved[2])
-    return status, capsys.readouterr().err
+        torch.set_num_threads(threads)
+    return status
 
 
 # The start-up FLOP count (pet.utils.model_summary) runs the model once at the test size: ~15 s for an R-50 at 800 px

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from helpers import CFGS, SMALL_FLOPS, custom_datasets, run_tool
+from helpers import CFGS, SMALL_FLOPS, custom_datasets, run_tool_captured
 from parity import ARCHS, _rescale_outputs, check_inference_parity, check_training_parity, shapes_image
 from test_export import randomize_norms, rescale_output
 from test_torchvision_weights import assert_results_match_torchvision
@@ -110,7 +110,6 @@ def test_the_gate_rejects_keypoints_moved_by_a_pixel(tiny_keypoint_export):
 
 
 SIZE = 800  # INPUT.MIN_SIZE_TEST of the COCO config and torchvision's test size: neither side resizes
-PLUGINS = {"PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))}
 
 
 def torchvision_keypoint_model() -> torch.nn.Module:
@@ -170,7 +169,7 @@ def test_shipped_coco_config_evaluates_torchvision_keypoint_weights_as_torchvisi
     weights = tmp_path / "keypoint_rcnn_coco.pth"
     torch.save(reference.state_dict(), weights)
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # as many as test_net's process gets (tests/helpers.py): the same kernels' order
+    torch.set_num_threads(2)  # as many as test_net gets below: the same kernels' order
     with torch.no_grad():
         theirs = reference([torch.from_numpy(rgb).permute(2, 0, 1).float() / 255])[0]
     torch.set_num_threads(threads)
@@ -179,10 +178,11 @@ def test_shipped_coco_config_evaluates_torchvision_keypoint_weights_as_torchvisi
     boxes[:, 2:] -= boxes[:, :2]
     expected = {1: {"boxes": boxes, "scores": theirs["scores"].double().numpy(), "labels": theirs["labels"].numpy()}}
     ckpt = tmp_path / "run"
-    run_tool("test_net.py", "--cfg", COCO_CFG, "CKPT", ckpt,
-             "DATA.CUSTOM", custom_datasets(("coco_person", json_file, image_dir)), "TEST.DATASETS", "('coco_person',)",
-             "TEST.WEIGHTS", weights, "TEST.AMP.ENABLED", "False", *SMALL_FLOPS,
-             "TEST.HOOKS", "[{'type': 'output_plugins.SaveOutputs'}]", env=PLUGINS)
+    run = run_tool_captured("test_net.py", "--cfg", COCO_CFG, "CKPT", ckpt, "DATA.CUSTOM",
+                            custom_datasets(("coco_person", json_file, image_dir)), "TEST.DATASETS", "('coco_person',)",
+                            "TEST.WEIGHTS", weights, "TEST.AMP.ENABLED", "False", *SMALL_FLOPS,
+                            "TEST.HOOKS", "[{'type': 'output_plugins.SaveOutputs'}]", threads=2)
+    assert run.returncode == 0, f"{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
     worst = assert_results_match_torchvision(json.loads((ckpt / "test" / "bbox.json").read_text()), expected)
     ours = torch.load(ckpt / "outputs.pth", weights_only=True)[1]
     # the same detections in the same order (bbox.json matched them one to one within 1e-3 px and 1e-5)

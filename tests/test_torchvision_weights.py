@@ -24,7 +24,7 @@ import numpy as np
 import pycocotools.mask as mask_util
 import pytest
 import torch
-from helpers import CFGS, SMALL_FLOPS, custom_datasets, run_tool
+from helpers import CFGS, SMALL_FLOPS, custom_datasets, run_tool_captured
 from parity import ARCHS, _rescale_outputs, shapes_image
 
 from pet.checkpoint import load_weights
@@ -183,10 +183,11 @@ def test_shipped_coco_config_evaluates_torchvision_weights_as_torchvision(arch, 
     expected = torchvision_detections(reference, pixels)
     assert {int(c) for d in expected.values() for c in d["labels"]} == set(FAVOURED)  # the case the weights make
     ckpt = tmp_path / "run"
-    proc = run_tool("test_net.py", "--cfg", cfg_file(arch), "CKPT", ckpt,
-                    "DATA.CUSTOM", custom_datasets(("coco_mini", json_file, image_dir)),
-                    "TEST.DATASETS", "('coco_mini',)", "TEST.WEIGHTS", weights, "TEST.AMP.ENABLED", "False",
-                    *SMALL_FLOPS)
+    proc = run_tool_captured("test_net.py", "--cfg", cfg_file(arch), "CKPT", ckpt,
+                             "DATA.CUSTOM", custom_datasets(("coco_mini", json_file, image_dir)),
+                             "TEST.DATASETS", "('coco_mini',)", "TEST.WEIGHTS", weights, "TEST.AMP.ENABLED", "False",
+                             *SMALL_FLOPS, threads=2)  # the threads torchvision_detections ran on
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     assert "did not load" not in proc.stderr + proc.stdout
     for task in ("bbox", "segm") if arch == "mask_rcnn" else ("bbox",):
         worst = assert_results_match_torchvision(json.loads((ckpt / "test" / f"{task}.json").read_text()), expected)
@@ -244,9 +245,9 @@ def test_test_net_refuses_weights_that_leave_the_fpn_random(coco_mini, torchvisi
     state = torch.load(torchvision_files["faster_rcnn"], weights_only=True)
     partial = tmp_path / "no_fpn.pth"
     torch.save({k: v for k, v in state.items() if not k.startswith("backbone.fpn.")}, partial)
-    proc = run_tool("test_net.py", "--cfg", cfg_file("faster_rcnn"), "CKPT", tmp_path / "run",
-                    "DATA.CUSTOM", custom_datasets(("coco_mini", json_file, image_dir)),
-                    "TEST.DATASETS", "('coco_mini',)", "TEST.WEIGHTS", partial, check=False)
+    proc = run_tool_captured("test_net.py", "--cfg", cfg_file("faster_rcnn"), "CKPT", tmp_path / "run",
+                             "DATA.CUSTOM", custom_datasets(("coco_mini", json_file, image_dir)),
+                             "TEST.DATASETS", "('coco_mini',)", "TEST.WEIGHTS", partial)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ")
