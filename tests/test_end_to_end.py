@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import cv2
 import numpy as np
 import pytest
+import torch
 from helpers import DEMO_CFG, run_tool, run_tool_in_process, tiny_set_opts
 from pycocotools.coco import COCO
 
@@ -24,7 +26,7 @@ def _opts(root: str, ckpt: str) -> list[str]:
     return [*tiny_set_opts(root, ckpt), "TRAIN.USE_TENSORBOARD", "True"]
 
 
-def test_train_then_test_writes_every_promised_file(end_to_end_set, tmp_path):
+def test_train_then_test_writes_every_promised_file(end_to_end_set, tmp_path, monkeypatch, capsys):
     ckpt = str(tmp_path / "run")
     train = run_tool("train_net.py", "--cfg", DEMO_CFG, *_opts(end_to_end_set, ckpt))
     assert "Overall training speed" in train.stdout
@@ -77,8 +79,10 @@ def test_train_then_test_writes_every_promised_file(end_to_end_set, tmp_path):
         original = cv2.imread(os.path.join(end_to_end_set, "val", info["file_name"]))
         assert not np.array_equal(picture, original)  # drawn on
 
-    rescore = run_tool("test_net.py", "--cfg", DEMO_CFG, "--eval-only-results",
-                       os.path.join(ckpt, "test", "bbox.json"), *_opts(end_to_end_set, ckpt))
+    # The rescoring reads files, not a fresh interpreter's start-up: in this process.
+    rescore = run_tool_in_process(monkeypatch, capsys, "test_net.py", "--cfg", DEMO_CFG, "--eval-only-results",
+                                  os.path.join(ckpt, "test", "bbox.json"), *_opts(end_to_end_set, ckpt))
+    assert rescore.returncode == 0, rescore.stderr
     assert "Per-category bbox AP" in rescore.stdout and "[Testing]" not in rescore.stdout
     with open(os.path.join(ckpt, "test", "metrics_rescored.json")) as f:
         rescored = json.load(f)["metrics"]
@@ -130,6 +134,18 @@ def test_test_net_without_weights_says_what_to_do(end_to_end_set, tmp_path, monk
                                *_opts(end_to_end_set, str(tmp_path / "empty")))
     assert proc.returncode == 2
     assert "Weights file not found" in proc.stderr and "train first" in proc.stderr
+
+
+def test_a_tool_run_in_process_leaves_this_process_as_it_found_it(end_to_end_set, tmp_path, monkeypatch, capsys):
+    """The in-process runs above share the test process: the threads and seeds test_net's set-up chooses and the
+    log file it opens must not reach the tests after them."""
+    pet_logger = logging.getLogger("pet")
+    before = torch.get_num_threads(), torch.get_rng_state(), pet_logger.handlers[:], pet_logger.propagate
+    proc = run_tool_in_process(monkeypatch, capsys, "test_net.py", "--cfg", DEMO_CFG,
+                               *_opts(end_to_end_set, str(tmp_path / "empty")), "NUM_THREADS", before[0] + 1)
+    assert proc.returncode == 2 and (tmp_path / "empty" / "log.txt").exists()  # it got past the set-up
+    assert torch.get_num_threads() == before[0] and torch.equal(torch.get_rng_state(), before[1])
+    assert pet_logger.handlers == before[2] and pet_logger.propagate == before[3]
 
 
 BAD_HOOKS_AND_WRITERS = {  # case: (key, value, the start of the one line)
