@@ -9,6 +9,7 @@ import io
 import json
 import logging
 import os
+import random
 import runpy
 import select
 import subprocess
@@ -64,21 +65,29 @@ def run_tool(
     return proc
 
 
-def run_tool_here(monkeypatch: Any, capsys: Any, tool: str, *args: object) -> tuple[int, str]:
-    """Run ``tools/<tool>`` with ``args`` in this process (a subprocess each would cost seconds); (exit status,
-    stderr).
+def run_tool_in_process(monkeypatch: Any, capsys: Any, tool: str, *args: object) -> subprocess.CompletedProcess:
+    """Run ``tools/<tool>`` in this process, as :func:`run_tool` would in a fresh one, without its ~4.5 s of imports.
 
-    ``monkeypatch`` and ``capsys`` are the calling test's fixtures.
+    The result reads like :func:`run_tool`'s: exit status, stdout, stderr. ``monkeypatch`` and ``capsys``
+    are the calling test's fixtures. A test whose point is a fresh process (start-up, environment read at
+    import, signals, fault plugins loaded at start-up, the exact bytes a shell sees) uses :func:`run_tool`.
     """
+    capsys.readouterr()  # only this run's output
     status = _run_in_this_process(monkeypatch, tool, args)
-    return status, capsys.readouterr().err
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess([tool, *map(str, args)], status, out.out, out.err)
+
+
+def run_tool_here(monkeypatch: Any, capsys: Any, tool: str, *args: object) -> tuple[int, str]:
+    """:func:`run_tool_in_process`'s (exit status, stderr)."""
+    proc = run_tool_in_process(monkeypatch, capsys, tool, *args)
+    return proc.returncode, proc.stderr
 
 
 def run_tool_captured(tool: str, *args: object, threads: int = 1) -> subprocess.CompletedProcess:
-    """:func:`run_tool_here` for a fixture wider than one test (``monkeypatch`` and ``capsys`` are per test): its
-    exit status, stdout (the log's terminal lines) and stderr, as :func:`run_tool` gives them. ``threads``: the
-    tool's threads, as OMP_NUM_THREADS gives a tool's process them (a comparison with a reference computed on
-    that many threads adds its numbers in the same order)."""
+    """:func:`run_tool_in_process` for a fixture wider than one test (``monkeypatch`` and ``capsys`` are per test).
+    ``threads``: the tool's threads, as OMP_NUM_THREADS gives a tool's process them (a comparison with a reference
+    computed on that many threads adds its numbers in the same order)."""
     stdout, stderr = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as monkeypatch, redirect_stdout(stdout), redirect_stderr(stderr):
         monkeypatch.setenv("OMP_NUM_THREADS", str(threads))
@@ -87,22 +96,35 @@ def run_tool_captured(tool: str, *args: object, threads: int = 1) -> subprocess.
 
 
 def _run_in_this_process(monkeypatch: Any, tool: str, args: Sequence[object]) -> int:
-    """``tools/<tool>`` run as ``__main__`` with ``args`` as its command line; its exit status."""
+    """``tools/<tool>`` run as ``__main__`` with ``args`` as its command line; its exit status.
+
+    An exit with a message (``sys.exit("Error: ...")``) gives status 1 and the message on stderr, as the
+    interpreter would. What the tools change for the whole process is put back: ``sys.argv``, the 'pet'
+    logger (later tests rely on it propagating), the thread count and the random generators
+    (``default_setup`` sets both).
+    """
     pet_logger = logging.getLogger("pet")
     saved = pet_logger.handlers[:], pet_logger.propagate, pet_logger.level
-    threads = torch.get_num_threads()
+    threads, rng = torch.get_num_threads(), (random.getstate(), np.random.get_state(), torch.get_rng_state())
     monkeypatch.setattr(sys, "argv", [tool, *map(str, args)])
     status = 0
     try:
         runpy.run_path(os.path.join(ROOT, "tools", tool), run_name="__main__")
     except SystemExit as exc:
-        status = exc.code
-    finally:  # the tools reconfigure the 'pet' logger (later tests rely on it propagating) and set the threads
+        if exc.code is None or isinstance(exc.code, int):
+            status = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            status = 1
+    finally:
         for handler in set(pet_logger.handlers) - set(saved[0]):
             handler.close()
         pet_logger.handlers[:], pet_logger.propagate = saved[0], saved[1]
         pet_logger.setLevel(saved[2])
         torch.set_num_threads(threads)
+        random.setstate(rng[0])
+        np.random.set_state(rng[1])
+        torch.set_rng_state(rng[2])
     return status
 
 

@@ -8,7 +8,7 @@ import cv2
 import numpy as np
 import pytest
 import torch
-from helpers import DEMO_CFG, data_cfg, register_split, run_tool, single_dataset_opts
+from helpers import DEMO_CFG, data_cfg, register_split, run_tool_in_process, single_dataset_opts
 
 from pet.data import build_test_loader, build_train_loader, collate_batch
 from pet.data.samplers import EpochSampler, GroupedBatchSampler, InferenceSampler, TrainingSampler
@@ -143,11 +143,14 @@ def test_test_loader_keeps_order_and_sizes(shapes_root):
 
 
 @pytest.mark.parametrize("split, short_side", [("train", 320), ("test", 160)])
-def test_visualize_data_writes_transformed_images_with_ground_truth(shapes_root, tmp_path, split, short_side):
+def test_visualize_data_writes_transformed_images_with_ground_truth(shapes_root, tmp_path, split, short_side,
+                                                                     monkeypatch, capsys):
     out = tmp_path / "vis"
-    run_tool("visualize_data.py", "--cfg", DEMO_CFG, "--split", split, "--num", 3, "--out", out,
-             *single_dataset_opts(f"{shapes_root}/annotations/val.json", f"{shapes_root}/val"),
-             "MODEL.MASK_ON", True, "INPUT.MIN_SIZE_TRAIN", "(320,)", "INPUT.MIN_SIZE_TEST", 160)
+    proc = run_tool_in_process(  # the pictures are the point, not a fresh interpreter's start-up
+        monkeypatch, capsys, "visualize_data.py", "--cfg", DEMO_CFG, "--split", split, "--num", 3, "--out", out,
+        *single_dataset_opts(f"{shapes_root}/annotations/val.json", f"{shapes_root}/val"),
+        "MODEL.MASK_ON", True, "INPUT.MIN_SIZE_TRAIN", "(320,)", "INPUT.MIN_SIZE_TEST", 160)
+    assert proc.returncode == 0, proc.stderr
     files = sorted(os.listdir(out))
     assert len(files) == 3 and all(f.startswith(f"{split}_") and f.endswith(".png") for f in files)
     class_colors = [np.array(_class_color(n)[::-1]) for n in ("circle", "rectangle", "triangle")]  # BGR on disk

@@ -56,12 +56,20 @@ def test_the_local_rank_flag_still_sets_local_rank_with_a_warning(monkeypatch, c
         "--local_rank is deprecated and goes in Pet 0.3.0: launch with torchrun, which sets LOCAL_RANK"]
 
 
-def test_pet_itself_uses_no_deprecated_name():
-    """Every package of Pet imported in a fresh interpreter where a DeprecationWarning from Pet is an error."""
-    code = ("import pet.cli, pet.config, pet.data, pet.engine, pet.engine.hooks, pet.engine.trackers, pet.evaluation, "
-            "pet.modeling, pet.predict")
-    subprocess.run([sys.executable, "-W", "error::DeprecationWarning:pet", "-c", code], check=True,
-                   env={**os.environ, "PYTHONPATH": ROOT})
+@pytest.fixture(scope="module")
+def fresh_import() -> subprocess.CompletedProcess:
+    """Every package of Pet imported in one fresh interpreter where a DeprecationWarning from Pet is an error; it
+    prints the modules loaded. The tests of deprecated names and of deprecated paths share it: the imports are
+    the slow part."""
+    code = ("import sys, pet.cli, pet.config, pet.data, pet.engine, pet.engine.hooks, pet.engine.trackers, "
+            "pet.evaluation, pet.modeling, pet.predict, pet.deploy, pet.checkpoint; "
+            "print(' '.join(sorted(sys.modules)))")
+    return subprocess.run([sys.executable, "-W", "error::DeprecationWarning:pet", "-c", code], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def test_pet_itself_uses_no_deprecated_name(fresh_import):
+    assert fresh_import.returncode == 0, fresh_import.stderr[-3000:]
 
 
 # Module paths moved in 0.2.0 (until 0.3.0): old module -> (new module, a name both offer).
@@ -88,10 +96,7 @@ def test_the_changelog_lists_every_moved_module_path():
         assert f"`{old}`" in deprecated, old
 
 
-def test_pet_itself_imports_no_deprecated_path():
-    """Every package of Pet imported in a fresh interpreter: none of the old paths is among the modules loaded."""
-    code = ("import sys, pet.config, pet.data, pet.engine, pet.engine.hooks, pet.engine.trackers, pet.evaluation, "
-            "pet.modeling, pet.predict, pet.deploy, pet.checkpoint; print(' '.join(sorted(sys.modules)))")
-    proc = subprocess.run([sys.executable, "-W", "error::DeprecationWarning:pet", "-c", code], capture_output=True,
-                          text=True, check=True, env={**os.environ, "PYTHONPATH": ROOT})
-    assert not set(MOVED) & set(proc.stdout.split())
+def test_pet_itself_imports_no_deprecated_path(fresh_import):
+    """None of the old paths is among the modules loaded."""
+    assert fresh_import.returncode == 0, fresh_import.stderr[-3000:]
+    assert not set(MOVED) & set(fresh_import.stdout.split())

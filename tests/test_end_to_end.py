@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import cv2
 import numpy as np
 import pytest
-from helpers import DEMO_CFG, run_tool, tiny_set_opts
+import torch
+from helpers import DEMO_CFG, run_tool, run_tool_in_process, tiny_set_opts
 from pycocotools.coco import COCO
 
 from pet.engine.events import read_metrics
@@ -24,7 +26,7 @@ def _opts(root: str, ckpt: str) -> list[str]:
     return [*tiny_set_opts(root, ckpt), "TRAIN.USE_TENSORBOARD", "True"]
 
 
-def test_train_then_test_writes_every_promised_file(end_to_end_set, tmp_path):
+def test_train_then_test_writes_every_promised_file(end_to_end_set, tmp_path, monkeypatch, capsys):
     ckpt = str(tmp_path / "run")
     train = run_tool("train_net.py", "--cfg", DEMO_CFG, *_opts(end_to_end_set, ckpt))
     assert "Overall training speed" in train.stdout
@@ -77,8 +79,10 @@ def test_train_then_test_writes_every_promised_file(end_to_end_set, tmp_path):
         original = cv2.imread(os.path.join(end_to_end_set, "val", info["file_name"]))
         assert not np.array_equal(picture, original)  # drawn on
 
-    rescore = run_tool("test_net.py", "--cfg", DEMO_CFG, "--eval-only-results",
-                       os.path.join(ckpt, "test", "bbox.json"), *_opts(end_to_end_set, ckpt))
+    # The rescoring reads files, not a fresh interpreter's start-up: in this process.
+    rescore = run_tool_in_process(monkeypatch, capsys, "test_net.py", "--cfg", DEMO_CFG, "--eval-only-results",
+                                  os.path.join(ckpt, "test", "bbox.json"), *_opts(end_to_end_set, ckpt))
+    assert rescore.returncode == 0, rescore.stderr
     assert "Per-category bbox AP" in rescore.stdout and "[Testing]" not in rescore.stdout
     with open(os.path.join(ckpt, "test", "metrics_rescored.json")) as f:
         rescored = json.load(f)["metrics"]
@@ -94,50 +98,78 @@ def test_cli_rejects_an_unknown_key_with_one_line_and_creates_nothing(tmp_path):
     assert not ckpt.exists()
 
 
-@pytest.mark.parametrize("tool", ["train_net.py", "test_net.py"])
-def test_cli_missing_config_file_is_one_line_and_creates_nothing(tool, tmp_path):
+# Each test below runs its first case as a user's shell sees it (a fresh interpreter) and the others in this process:
+# the same code, without a start-up of seconds each.
+def test_cli_missing_config_file_is_one_line_and_creates_nothing(tmp_path, monkeypatch, capsys):
     missing, ckpt = tmp_path / "missing.yaml", tmp_path / "never"
-    proc = run_tool(tool, "--cfg", str(missing), "CKPT", str(ckpt), check=False)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        f"Error: Config file not found: {missing} (pass an existing YAML file to --cfg)"]
-    assert not ckpt.exists()
+    for tool in ("test_net.py", "train_net.py"):
+        args = ("--cfg", str(missing), "CKPT", str(ckpt))
+        proc = run_tool(tool, *args, check=False) if tool == "test_net.py" else \
+            run_tool_in_process(monkeypatch, capsys, tool, *args)
+        assert proc.returncode == 2, tool
+        assert proc.stderr.strip().splitlines() == [
+            f"Error: Config file not found: {missing} (pass an existing YAML file to --cfg)"], tool
+        assert not ckpt.exists(), tool
 
 
-@pytest.mark.parametrize("tool", ["train_net.py", "test_net.py"])
-def test_cli_refuses_a_yaml_tag_that_would_run_code_with_one_line_and_runs_nothing(tool, tmp_path):
+def test_cli_refuses_a_yaml_tag_that_would_run_code_with_one_line_and_runs_nothing(tmp_path, monkeypatch, capsys):
     marker, ckpt = tmp_path / "marker", tmp_path / "never"
     evil = tmp_path / "evil.yaml"
     evil.write_text(f"_BASE_: {DEMO_CFG}\nSOLVER:\n  BASE_LR: !!python/object/apply:os.system ['touch {marker}']\n")
-    proc = run_tool(tool, "--cfg", str(evil), "CKPT", str(ckpt), check=False)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        f"Error: Unsafe YAML tag !!python/object/apply:os.system in {evil}:3:12: configs are read with "
-        "yaml.safe_load, which never builds Python objects or runs code; write a plain value (number, string, "
-        "list or mapping) instead"]
-    assert not marker.exists() and not ckpt.exists()
+    for tool in ("train_net.py", "test_net.py"):
+        args = ("--cfg", str(evil), "CKPT", str(ckpt))
+        proc = run_tool(tool, *args, check=False) if tool == "train_net.py" else \
+            run_tool_in_process(monkeypatch, capsys, tool, *args)
+        assert proc.returncode == 2, tool
+        assert proc.stderr.strip().splitlines() == [
+            f"Error: Unsafe YAML tag !!python/object/apply:os.system in {evil}:3:12: configs are read with "
+            "yaml.safe_load, which never builds Python objects or runs code; write a plain value (number, string, "
+            "list or mapping) instead"], tool
+        assert not marker.exists() and not ckpt.exists(), tool
 
 
-def test_test_net_without_weights_says_what_to_do(end_to_end_set, tmp_path):
-    proc = run_tool("test_net.py", "--cfg", DEMO_CFG, *_opts(end_to_end_set, str(tmp_path / "empty")), check=False)
+def test_test_net_without_weights_says_what_to_do(end_to_end_set, tmp_path, monkeypatch, capsys):
+    """In this process: the tests above show test_net's exit status and one line as a shell sees them."""
+    proc = run_tool_in_process(monkeypatch, capsys, "test_net.py", "--cfg", DEMO_CFG,
+                               *_opts(end_to_end_set, str(tmp_path / "empty")))
     assert proc.returncode == 2
     assert "Weights file not found" in proc.stderr and "train first" in proc.stderr
 
 
-@pytest.mark.parametrize("key, value, error", [
-    ("HOOKS.CUSTOM", "[{'type': 'EarlyStopingHook'}]",
-     "Error: Unknown hook 'EarlyStopingHook'. Did you mean 'EarlyStoppingHook'? Registered: "),
-    ("HOOKS.CUSTOM", "[{'type': 'no_such_package.hooks.MyHook'}]",
-     "Error: Cannot import 'no_such_package.hooks.MyHook': ModuleNotFoundError: No module named 'no_such_package'"),
-    ("TRAIN.WRITERS", "[{'type': 'JSONWritter'}]",
-     "Error: Unknown event writer 'JSONWritter'. Did you mean 'JSONWriter'? Registered: "),
-    ("TRAIN.WRITERS", "[{'type': 'pet.engine.events.CSVWriter'}]",
-     "Error: Cannot import 'pet.engine.events.CSVWriter': module 'pet.engine.events' has no 'CSVWriter'"),
-], ids=["unknown-hook", "hook-path-does-not-import", "unknown-writer", "writer-path-does-not-import"])
-def test_a_bad_hook_or_writer_fails_before_anything_but_the_log_is_written(end_to_end_set, tmp_path, key, value, error):
-    ckpt = tmp_path / "run"
-    proc = run_tool("train_net.py", "--cfg", DEMO_CFG, *_opts(end_to_end_set, str(ckpt)), key, value, check=False)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(error), proc.stderr
-    assert sorted(os.listdir(ckpt)) == ["log.txt"]
+def test_a_tool_run_in_process_leaves_this_process_as_it_found_it(end_to_end_set, tmp_path, monkeypatch, capsys):
+    """The in-process runs above share the test process: the threads and seeds test_net's set-up chooses and the
+    log file it opens must not reach the tests after them."""
+    pet_logger = logging.getLogger("pet")
+    before = torch.get_num_threads(), torch.get_rng_state(), pet_logger.handlers[:], pet_logger.propagate
+    proc = run_tool_in_process(monkeypatch, capsys, "test_net.py", "--cfg", DEMO_CFG,
+                               *_opts(end_to_end_set, str(tmp_path / "empty")), "NUM_THREADS", before[0] + 1)
+    assert proc.returncode == 2 and (tmp_path / "empty" / "log.txt").exists()  # it got past the set-up
+    assert torch.get_num_threads() == before[0] and torch.equal(torch.get_rng_state(), before[1])
+    assert pet_logger.handlers == before[2] and pet_logger.propagate == before[3]
+
+
+BAD_HOOKS_AND_WRITERS = {  # case: (key, value, the start of the one line)
+    "unknown-hook": ("HOOKS.CUSTOM", "[{'type': 'EarlyStopingHook'}]",
+                     "Error: Unknown hook 'EarlyStopingHook'. Did you mean 'EarlyStoppingHook'? Registered: "),
+    "hook-path-does-not-import": (
+        "HOOKS.CUSTOM", "[{'type': 'no_such_package.hooks.MyHook'}]",
+        "Error: Cannot import 'no_such_package.hooks.MyHook': ModuleNotFoundError: No module named 'no_such_package'"),
+    "unknown-writer": ("TRAIN.WRITERS", "[{'type': 'JSONWritter'}]",
+                       "Error: Unknown event writer 'JSONWritter'. Did you mean 'JSONWriter'? Registered: "),
+    "writer-path-does-not-import": (
+        "TRAIN.WRITERS", "[{'type': 'pet.engine.events.CSVWriter'}]",
+        "Error: Cannot import 'pet.engine.events.CSVWriter': module 'pet.engine.events' has no 'CSVWriter'"),
+}
+
+
+def test_a_bad_hook_or_writer_fails_before_anything_but_the_log_is_written(end_to_end_set, tmp_path, monkeypatch,
+                                                                           capsys):
+    for i, (case, (key, value, error)) in enumerate(BAD_HOOKS_AND_WRITERS.items()):
+        ckpt = tmp_path / case
+        args = ("--cfg", DEMO_CFG, *_opts(end_to_end_set, str(ckpt)), key, value)
+        proc = run_tool("train_net.py", *args, check=False) if i == 0 else \
+            run_tool_in_process(monkeypatch, capsys, "train_net.py", *args)
+        assert proc.returncode == 2, case
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(error), (case, proc.stderr)
+        assert sorted(os.listdir(ckpt)) == ["log.txt"], case

@@ -30,7 +30,7 @@ import pytest
 import torch
 import yaml
 from conftest import toy_trainer
-from helpers import DEMO_CFG, ROOT, BlobDetector, custom_datasets
+from helpers import DEMO_CFG, ROOT, BlobDetector, custom_datasets, run_tool, run_tool_in_process
 
 from pet.config import load_cfg
 from pet.data.categories import LabelSpace, dataset_label_space
@@ -92,17 +92,6 @@ def write_scene(path: str, size: tuple[int, int], boxes: list[tuple[int, int, in
     cv2.imwrite(path, image)
 
 
-def run_predict(*args: object, check: bool = True, threads: int = 2) -> subprocess.CompletedProcess:
-    """tools/predict.py with ``threads`` OpenMP threads. A test comparing its numbers with this process's gives it
-    this process's count (``torch.get_num_threads()``): in float32 another count can sum in another order."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "predict.py"), *map(str, args)],
-                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)},
-                          timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"predict.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc
-
-
 # ------------------------------------------------------------------------------------------ exactness
 def test_a_folder_gives_exactly_test_nets_detections_at_its_batch_size(demo, tmp_path):
     """Same model, precision (TEST.AMP auto), transform and padded batches of 4 (6 images: 4 + 2) as test_net."""
@@ -131,8 +120,9 @@ def test_every_format_mirrors_sub_folders_names_classes_from_the_model_and_skips
             shutil.copy(f"{demo.val_dir}/00000{i + 1 if folder == 'a' else 3}.jpg", images / folder / f"{name}.jpg")
     (images / "b" / "broken.jpg").write_bytes(b"not a jpeg")
     out = tmp_path / "out"
-    run = run_predict("--cfg", DEMO_CFG, "--input", images, "--output", out, "--save", "csv,coco,json,yolo,vis,crops",
-                      "--batch", "2", "--score-thresh", "0.3", *demo.opts, "TEST.WEIGHTS", demo.renamed)
+    run = run_tool("predict.py", "--cfg", DEMO_CFG, "--input", images, "--output", out, "--save",
+                   "csv,coco,json,yolo,vis,crops", "--batch", "2", "--score-thresh", "0.3", *demo.opts,
+                   "TEST.WEIGHTS", demo.renamed)
     assert f"Skipped {images}/b/broken.jpg: Cannot decode image" in run.stdout
     assert "Predicted 3 pictures, 1 unreadable skipped" in run.stdout
     assert "it/s" not in run.stderr and "img/s" not in run.stderr  # no progress bar when stderr is not a terminal
@@ -173,7 +163,7 @@ def test_every_format_mirrors_sub_folders_names_classes_from_the_model_and_skips
 
 
 def test_a_score_threshold_below_the_models_gives_the_same_detections_from_python_as_from_the_command_line(
-        demo, tmp_path):
+        demo, tmp_path, monkeypatch, capsys):
     """--score-thresh below the model's SCORE_THRESH_TEST lowers it, so the model keeps those detections; the
     Predictor's score_thresh must do the same (on a copy of the caller's config), or Python finds fewer."""
     images = tmp_path / "in"
@@ -181,11 +171,14 @@ def test_a_score_threshold_below_the_models_gives_the_same_detections_from_pytho
     for name in ("000001.jpg", "000002.jpg"):
         shutil.copy(f"{demo.val_dir}/{name}", images / name)
     opts = [*demo.opts, "TEST.WEIGHTS", demo.weights, "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.54"]
-    # The command line with this process's thread count, so both compute alike and the files can be compared
-    # exactly: with 2 threads against 1, float32 (TEST.AMP auto on a CPU without native bfloat16) put scores 1e-6
-    # apart, enough to change a printed digit and the order of near-ties (AVX-512 without bf16, and AVX2).
-    run_predict("--cfg", DEMO_CFG, "--input", images, "--output", tmp_path / "cli", "--save", "csv",
-                "--score-thresh", "0.1", *opts, threads=torch.get_num_threads())
+    # The command line (in this process: the other command-line tests show what a shell sees) with this process's
+    # thread count, so both compute alike and the files can be compared exactly: with 2 threads against 1, float32
+    # (TEST.AMP auto on a CPU without native bfloat16) put scores 1e-6 apart, enough to change a printed digit and
+    # the order of near-ties (AVX-512 without bf16, and AVX2).
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    cli_run = run_tool_in_process(monkeypatch, capsys, "predict.py", "--cfg", DEMO_CFG, "--input", images,
+                                  "--output", tmp_path / "cli", "--save", "csv", "--score-thresh", "0.1", *opts)
+    assert cli_run.returncode == 0, cli_run.stderr
     cfg = predict_cfg(DEMO_CFG, opts)
     source = Source(str(images))
     predictor = Predictor(cfg, score_thresh=0.1)
@@ -198,7 +191,9 @@ def test_a_score_threshold_below_the_models_gives_the_same_detections_from_pytho
     assert cfg.MODEL.ROI_HEADS.SCORE_THRESH_TEST == 0.54
 
 
-def test_bad_input_is_one_line_and_exit_status_2_before_any_work(demo, tmp_path):
+def test_bad_input_is_one_line_and_exit_status_2_before_any_work(demo, tmp_path, monkeypatch, capsys):
+    """The first case as a user's shell sees it (a fresh interpreter), the others in this process (the same code,
+    without a start-up of seconds each)."""
     (tmp_path / "empty").mkdir()
     (tmp_path / "broken.mp4").write_bytes(b"\x00" * 1000)
     (tmp_path / "a_file").write_text("")
@@ -228,16 +223,17 @@ def test_bad_input_is_one_line_and_exit_status_2_before_any_work(demo, tmp_path)
                           f'Error: {mixed}/b.jpg is a file, not a config key: the shell expanded a glob given to '
                           f'--input into many arguments. Quote the glob: --input "{mixed}/*.jpg".'),
     }
-    procs = {name: subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "tools", "predict.py"), "--cfg", DEMO_CFG, "--input", str(src),
-         "--output", str(out), *map(str, extra), *demo.opts, *weights], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) for name, (src, out, extra, _) in cases.items()}
-    for name, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=600)
-        lines = stderr.strip().splitlines()
-        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(cases[name][3]), (name, stderr)
+    runs = {}
+    for name, (src, out, extra, _) in cases.items():
+        args = ["--cfg", DEMO_CFG, "--input", src, "--output", out, *extra, *demo.opts, *weights]
+        runs[name] = run_tool("predict.py", *args, threads=1, check=False) if not runs else \
+            run_tool_in_process(monkeypatch, capsys, "predict.py", *args)
+    for name, run in runs.items():
+        lines = run.stderr.strip().splitlines()
+        assert run.returncode == 2 and len(lines) == 1 and lines[0].startswith(cases[name][3]), (name, run.stderr)
         if name != "bad image, error":  # found before the model is even loaded
-            assert "Loaded" not in stdout and not os.path.exists(os.path.join(cases[name][1], "predictions.csv")), name
+            assert "Loaded" not in run.stdout and not os.path.exists(os.path.join(cases[name][1], "predictions.csv")), \
+                name
             # and before the output folder is made: a typo in --input leaves no empty folder (with a log.txt) behind
             assert cases[name][1] == mixed or not os.path.exists(cases[name][1]), name
     assert not (tmp_path / "o5" / "predictions.csv").exists()  # a stopped run leaves no partial CSV
