@@ -44,10 +44,10 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 # workers whole files in collection order (--no-loadscope-reorder), so starting with these keeps one worker from
 # being left with a long file while the other has finished (longest-processing-time-first scheduling).
 SLOWEST_FILES = (
-    "test_torchvision_weights.py", "test_keypoint_rcnn.py", "test_multinode.py", "test_export.py", "test_int8.py",
-    "test_rtdetr.py", "test_end_to_end.py", "test_benchmarks.py", "test_checkpoint_files.py", "test_distributed.py",
-    "test_stops.py", "test_worker_death.py", "test_cascade_rcnn.py", "test_mask_rcnn.py", "test_rtdetr_parity.py",
-    "test_kill_resume.py", "test_predict.py", "test_evaluation.py", "test_trainer_api.py",
+    "test_keypoint_rcnn.py", "test_multinode.py", "test_torchvision_weights.py", "test_export.py",
+    "test_checkpoint_files.py", "test_stops.py", "test_distributed.py", "test_end_to_end.py", "test_worker_death.py",
+    "test_mask_rcnn.py", "test_cascade_rcnn.py", "test_rtdetr_parity.py", "test_int8.py", "test_evaluation.py",
+    "test_predict.py", "test_kill_resume.py", "test_trainer_api.py", "test_rtdetr.py", "test_benchmarks.py",
 )
 
 
