@@ -27,7 +27,7 @@ import torch
 from fvcore.common.config import CfgNode
 
 from pet.config import load_cfg
-from pet.data import register_coco_dataset
+from pet.data import catalog, register_coco_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFGS = os.path.join(ROOT, "cfgs")
@@ -101,12 +101,14 @@ def _run_in_this_process(monkeypatch: Any, tool: str, args: Sequence[object]) ->
     An exit with a message (``sys.exit("Error: ...")``) gives status 1 and the message on stderr, as the
     interpreter would. What the tools change for the whole process is put back: ``sys.argv``, the 'pet'
     logger (later tests rely on it propagating), the thread count and the random generators
-    (``default_setup`` sets both).
+    (``default_setup`` sets both), and the datasets ``DATA.CUSTOM`` registered.
     """
     pet_logger = logging.getLogger("pet")
     saved = pet_logger.handlers[:], pet_logger.propagate, pet_logger.level
     threads, rng = torch.get_num_threads(), (random.getstate(), np.random.get_state(), torch.get_rng_state())
     monkeypatch.setattr(sys, "argv", [tool, *map(str, args)])
+    # DATA.CUSTOM registers datasets for the whole process; a later run may give a name another meaning.
+    monkeypatch.setattr(catalog, "_REGISTERED", dict(catalog._REGISTERED))
     status = 0
     try:
         runpy.run_path(os.path.join(ROOT, "tools", tool), run_name="__main__")
