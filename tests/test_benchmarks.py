@@ -11,6 +11,7 @@ from helpers import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 from benchmarks.detectors import ARCHS, _model_pair  # noqa: E402
+from benchmarks.rtdetr import _pair, _scene  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -21,3 +22,15 @@ def test_each_benchmark_pair_holds_the_same_weights(arch, monkeypatch):
     ours = pet_model.state_dict()
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+
+def test_the_rtdetr_pair_holds_the_same_weights():
+    """tools/benchmark.py rtdetr: Pet's RT-DETR and transformers' give the same top scores on the same pixels."""
+    pytest.importorskip("transformers")
+    pet_model, reference, processor = _pair("contiguous", os.path.join(ROOT, "cfgs"))
+    images, targets, _ = _scene(1, 160)
+    with torch.no_grad():
+        ours = pet_model.eval()(images, targets)[0]
+        theirs = processor.post_process_object_detection(reference.eval()(pixel_values=images.float() / 255),
+                                                          threshold=0.0, target_sizes=[(160, 160)])[0]
+    torch.testing.assert_close(ours["scores"], theirs["scores"], atol=1e-4, rtol=0)

@@ -15,6 +15,8 @@
     python tools/benchmark.py tiles   [--mosaic 192] [--scenes 3] [--tile 256] [--tile-overlap 0.25] [--batch 8]
                                       [--max-det 5000] [--sahi [--sahi-conf 0.3]] [--out FILE]
     python tools/benchmark.py resume-skip [--iters 10 90000 900000] [--world-size 2] [--repeats 3] [--out FILE]
+    python tools/benchmark.py rtdetr [--size 640] [--batch 2] [--precision float32 bfloat16] [--threads N]
+                                     [--memory-format channels_last] [--iters 1] [--repeats 3] [--out FILE]
 
 engine: Pet's Trainer overhead per iteration over a plain loop and MMEngine's Runner
 (tools/benchmarks/engine.py). train / infer: Pet's detectors against torchvision's on the same
@@ -30,6 +32,9 @@ uncut pictures (a mosaic of demo pictures, generated scenes) and against SAHI's 
 model with every merge setting (--sahi, with sahi importable) (tools/benchmarks/tiles.py).
 resume-skip: the wait for the first batch after resuming at iteration n, Pet's skip by pass arithmetic against the
 item-by-item skip (tools/benchmarks/resume_skip.py).
+rtdetr: Pet's RT-DETR R18 against transformers' RTDetrForObjectDetection with the same weights and pixels, inference
+and a training step in float32 and bfloat16 autocast (tools/benchmarks/rtdetr.py; needs transformers, Pet's test
+extra).
 Every table starts with the machine's fingerprint, which the JSON keeps with the command.
 """
 from __future__ import annotations
@@ -42,7 +47,7 @@ import time
 
 import torch
 
-from benchmarks import coco_eval, data, detectors, engine, onnx, predict, resume_skip, tiles
+from benchmarks import coco_eval, data, detectors, engine, onnx, predict, resume_skip, rtdetr, tiles
 from benchmarks.common import fingerprint
 
 
@@ -66,15 +71,17 @@ def main() -> None:
     predict.add_arguments(sub.add_parser("predict", help="tools/predict.py: streams and video"))
     tiles.add_arguments(sub.add_parser("tiles", help="tiled prediction against uncut pictures and SAHI"))
     resume_skip.add_arguments(sub.add_parser("resume-skip", help="first batch after a resume, two ways of skipping"))
+    rtdetr.add_arguments(sub.add_parser("rtdetr", help="RT-DETR against transformers' on the same weights"))
     args = parser.parse_args()
-    if args.command in ("train", "infer", "onnx"):
+    if args.command in ("train", "infer", "onnx", "rtdetr"):
         torch.set_num_threads(args.threads)
     if args.command in ("train", "infer"):
         run = detectors.detectors
     else:
         run = {"engine": engine.engine, "data": data.data, "coco-eval": coco_eval.coco_eval,
                "onnx": onnx.onnx_vs_pytorch, "predict": predict.predict_benchmark,
-               "tiles": tiles.tiles_benchmark, "resume-skip": resume_skip.resume_skip}[args.command]
+               "tiles": tiles.tiles_benchmark, "resume-skip": resume_skip.resume_skip,
+               "rtdetr": rtdetr.rtdetr_benchmark}[args.command]
     machine = fingerprint()
     result = {"command": " ".join(sys.argv), "machine": machine, "date": time.strftime("%Y-%m-%d"),
               **run(args, machine)}

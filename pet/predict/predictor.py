@@ -55,8 +55,9 @@ logger = logging.getLogger(__name__)
 PREDICT_DEFAULTS = ("DATA.ON_BAD_IMAGE", "skip")
 
 # Where each built-in detector keeps its test score threshold, which drops detections inside the model.
-_SCORE_NODES = {"FasterRCNN": "ROI_HEADS", "MaskRCNN": "ROI_HEADS", "CascadeRCNN": "ROI_HEADS",
-                "CascadeMaskRCNN": "ROI_HEADS", "RetinaNet": "RETINANET", "FCOS": "FCOS"}
+_SCORE_NODES = {"FasterRCNN": "ROI_HEADS", "MaskRCNN": "ROI_HEADS", "KeypointRCNN": "ROI_HEADS",
+                "CascadeRCNN": "ROI_HEADS", "CascadeMaskRCNN": "ROI_HEADS", "RetinaNet": "RETINANET", "FCOS": "FCOS",
+                "RTDETR": "RTDETR"}
 
 
 @dataclass

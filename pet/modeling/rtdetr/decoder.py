@@ -75,6 +75,13 @@ class RTDETRDecoder(nn.Module):
             queries = torch.cat([denoising["queries"], queries], 1)
             reference = torch.cat([denoising["reference"], reference], 1)
             attn_mask = denoising["attn_mask"]
+        elif targets is not None:
+            # No denoising queries (no object in this process's images, or NUM_DENOISING 0): the label embedding
+            # joins the graph with weight 0, so DistributedDataParallel, which all-reduces every parameter's
+            # gradient at every step, finds one in every process; else a process without objects stops the run
+            # ("Expected to have finished reduction"). The reference instead runs DDP with find_unused_parameters,
+            # which walks the graph at every step.
+            queries = queries + 0.0 * self.denoising.label_embed.weight.sum()
         boxes = reference.sigmoid()
         all_logits, all_boxes = [], []
         last = len(self.layers) - 1
