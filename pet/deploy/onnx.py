@@ -13,9 +13,10 @@ R-50-FPN Faster R-CNN on a 2-core CPU, against ~10 s for the tracer.
 
 **The graph.** Inputs ``images`` uint8 ``[B, 3, H, W]`` and ``image_sizes`` int64 ``[B, 2]``, with ``B``, ``H``
 and ``W`` dynamic (``H`` and ``W`` larger than the coarsest feature map's stride, e.g. 129 px for P7
-models); outputs and their layout are those of :mod:`pet.deploy.graph`. Boxes come out in the network
-input's pixels; :class:`pet.deploy.onnxruntime_model.OnnxRuntimeModel` maps them to the original images and
-pastes masks, with the PyTorch model's own functions.
+models; for RT-DETR multiples of 32 from 64 px, see :class:`pet.deploy.graph.RTDETRGraph`); outputs and their
+layout are those of :mod:`pet.deploy.graph`. Boxes come out in the network input's pixels;
+:class:`pet.deploy.onnxruntime_model.OnnxRuntimeModel` maps them to the original images and pastes masks, with the
+PyTorch model's own functions.
 
 The parity gate an export must pass before it counts is :mod:`pet.deploy.parity`.
 """
@@ -60,12 +61,13 @@ def import_onnx() -> ModuleType:
 
 
 def export_onnx(model: torch.nn.Module, example: Batch, path: str, metadata: Mapping[str, str] | None = None) -> str:
-    """Export ``model`` (a Pet FasterRCNN, MaskRCNN, KeypointRCNN, RetinaNet or FCOS) to the ONNX file ``path``; returns
-    ``path``.
+    """Export ``model`` (a Pet FasterRCNN, MaskRCNN, KeypointRCNN, RetinaNet, FCOS or RTDETR) to the ONNX file ``path``;
+    returns ``path``.
 
     ``example`` is a batch as the test loader gives it (``(images, targets)``); its values do not matter, but
     every feature map of its images must be larger than 1x1 (the smallest size the graph then takes is
-    recorded in the file's metadata as ``pet.min_image_size``, beside the score threshold and detections per
+    recorded in the file's metadata as ``pet.min_image_size``, and what the sides must be a multiple of as
+    ``pet.size_multiple``, beside the score threshold and detections per
     image it computes with, ``pet.score_thresh`` and ``pet.detections_per_img``); ``metadata`` adds the caller's
     entries (tools/export.py records the label space). The file is checked with ``onnx.checker``.
     An operation the exporter cannot handle is an :class:`ExportError` naming it and the module that calls it.
