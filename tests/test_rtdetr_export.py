@@ -1,7 +1,7 @@
 """RT-DETR's ONNX export (pet/deploy/graph.py's RTDETRGraph, tools/export.py): it passes the parity gate with a
 dynamic batch and sides that are multiples of 32, onnxruntime gives the PyTorch detections at two sizes, the gate
-rejects a perturbed graph, a side that is not a multiple of 32 is refused saying what to do, and test_net's
-onnxruntime backend gives PyTorch's AP.
+rejects a perturbed graph, a side that is not a multiple of 32 is refused saying what to do, test_net's onnxruntime
+backend gives PyTorch's AP, and the int8 pre-processing takes the export and finds its parts.
 
 The model is tests/test_rtdetr.py's tiny one with random weights (the box heads' last layers too: they start at
 zero) and its score threshold at the median score of the gate's first batch, so that the graph's threshold drops
@@ -24,6 +24,7 @@ from test_rtdetr import SHAPES_CFG, TINY
 
 from pet.config import load_cfg
 from pet.data import DatasetMapper, collate_batch
+from pet.deploy.int8 import Quantizer
 from pet.deploy.onnx import ExportError, export_onnx
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel
 from pet.deploy.parity import ParityError, check_parity, parity_batches
@@ -128,3 +129,11 @@ def test_test_net_onnxruntime_gives_the_pytorch_ap(export, tmp_path):
         with open(tmp_path / backend / "test" / "metrics.json") as f:
             metrics[backend] = json.load(f)["metrics"]
     assert metrics["onnxruntime"] == pytest.approx(metrics["pytorch"], abs=1e-4, nan_ok=True)
+
+
+def test_int8_pre_processing_takes_the_export_and_finds_the_parts_inside_module_lists(export, tmp_path):
+    """onnxruntime's symbolic shape inference fails on this graph (the quantizer pre-processes without it), and the
+    backbone stages, encoder blocks and decoder layers, elements of ModuleLists, are parts that can run int8."""
+    parts = Quantizer(export.onnx_file, str(tmp_path), [], reduce_range=False).parts
+    assert {"backbone.stem", "backbone.stages", "encoder.aifi", "encoder.fpn_blocks", "decoder.layers"} <= set(parts)
+    assert all(parts.values())  # each part's nodes are still there after the pre-processing
