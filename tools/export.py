@@ -1,9 +1,9 @@
 """Export a detector to ONNX and check it: python tools/export.py --cfg FILE [--weights W] [--output FILE]
 [--check-only] [--int8 [--calib N] [--int8-tolerance AP] [--gate-images N]] [KEY VALUE ...]
 
-Writes an ONNX graph with a dynamic batch, height and width and the whole post-processing inside
-(pet/deploy/onnx.py says what it takes and returns), then runs the parity gate: the PyTorch model and
-the ONNX model in onnxruntime detect on the first test images at several sizes and a blank image, and
+Writes an ONNX graph with a dynamic batch, height and width (RT-DETR: multiples of 32) and the whole
+post-processing inside (pet/deploy/onnx.py says what it takes and returns), then runs the parity gate: the PyTorch
+model and the ONNX model in onnxruntime detect on the first test images at several sizes and a blank image, and
 must agree within the tolerances it prints (boxes within 1e-3 of the image size, scores within 1e-4,
 labels equal, mask IoU >= 0.99, keypoints as boxes). Success is reported only then; a disagreement is one line and exit
 status 2, and nothing is left at the output path (the export is written beside it under a temporary name and

@@ -39,15 +39,17 @@ from torch import Tensor
 from torchvision.ops import nms, roi_align
 from torchvision.ops.poolers import MultiScaleRoIAlign, _setup_scales
 
-from pet.modeling import FCOS, CascadeRCNN, FasterRCNN, RetinaNet
+from pet.modeling import FCOS, RTDETR, CascadeRCNN, FasterRCNN, RetinaNet
 
-__all__ = ["DetectorGraph", "TwoStageGraph", "CascadeGraph", "OneStageGraph", "build_graph"]
+__all__ = ["DetectorGraph", "TwoStageGraph", "CascadeGraph", "OneStageGraph", "RTDETRGraph", "build_graph"]
 
 
 class DetectorGraph(torch.nn.Module):
     """What the batched detectors share: the backbone and the normalisation. ``output_names`` names the outputs."""
 
     output_names: tuple[str, ...] = ("boxes", "scores", "labels", "image_index")
+    # What the padded height and width must be a multiple of (1: any size above the smallest).
+    size_multiple: int = 1
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
@@ -249,6 +251,38 @@ class OneStageGraph(DetectorGraph):
         return boxes[valid], scores[valid], labels[valid], image_index[valid]
 
 
+class RTDETRGraph(DetectorGraph):
+    """RT-DETR: encoder, query selection and decoder as the model runs them, then its top-k post-processing, batched.
+
+    There is no NMS: each image keeps its ``DETECTIONS_PER_IMAGE`` best (query, class) sigmoid scores above
+    ``SCORE_THRESH_TEST``, as :meth:`pet.modeling.rtdetr.RTDETR.top_detections` selects them; the number of queries
+    is fixed, so the top-k's size is too. Boxes are not clipped here: the model leaves that to
+    :func:`pet.modeling.postprocess.detections_to_original`, and so does the runtime.
+
+    The encoder upsamples the stride-32 map by 2 and concatenates it with the stride-16 one (and so on down to
+    stride 8), which holds only where the padded sides are multiples of 32; the PyTorch model needs it too
+    (``INPUT.SIZE_DIVISIBILITY`` 32). ``size_multiple`` tells the exporter, which then makes the height and width
+    32 x a free size rather than free sizes that torch.export cannot relate (the AIFI position embedding and the
+    query-selection anchors are computed in the graph from the feature maps' sizes, so they stay dynamic).
+    """
+
+    size_multiple = 32
+
+    def __init__(self, model: RTDETR) -> None:
+        super().__init__(model)
+        self.encoder = model.encoder
+        self.decoder = model.decoder
+        self.top_detections = model.top_detections
+
+    def forward(self, images: Tensor, image_sizes: Tensor) -> tuple[Tensor, ...]:
+        features = self.encoder(list(self.features(images, image_sizes).values()))
+        outputs = self.decoder(features)
+        height, width = images.shape[-2:]
+        boxes, scores, labels, keep = self.top_detections(outputs["logits"][-1], outputs["boxes"][-1], height, width)
+        image_index = torch.arange(scores.shape[0], device=scores.device)[:, None].expand_as(scores)
+        return boxes[keep], scores[keep], labels[keep], image_index[keep]
+
+
 class BatchedRoIAlign(torch.nn.Module):
     """A :class:`MultiScaleRoIAlign` on RoIs ``[R, 5]`` (image index, XYXY) rather than a list of boxes per image.
 
@@ -341,7 +375,7 @@ def nms_per_image(boxes: Tensor, scores: Tensor, groups: Tensor, image_index: Te
 
 def build_graph(model: torch.nn.Module, example_images: Tensor, example_sizes: list[tuple[int, int]]) -> DetectorGraph:
     """The batched graph of ``model``, a Pet FasterRCNN, MaskRCNN, CascadeRCNN, CascadeMaskRCNN, KeypointRCNN,
-    RetinaNet or FCOS (or a subclass), in eval mode.
+    RetinaNet, FCOS or RTDETR (or a subclass), in eval mode.
 
     ``example_images`` and ``example_sizes`` (a batch as the test loader gives it) fix what torchvision infers on
     its first call: the RoI poolers' feature-map scales.
@@ -354,5 +388,7 @@ def build_graph(model: torch.nn.Module, example_images: Tensor, example_sizes: l
         return graph(model, features, example_sizes).eval()
     if isinstance(model, (RetinaNet, FCOS)):
         return OneStageGraph(model).eval()
+    if isinstance(model, RTDETR):
+        return RTDETRGraph(model).eval()
     raise TypeError(f"{type(model).__name__} is not one of Pet's exportable detectors (FasterRCNN, MaskRCNN, "
-                    "RetinaNet, FCOS or a subclass of one)")
+                    "RetinaNet, FCOS, RTDETR or a subclass of one)")

@@ -160,15 +160,17 @@ def model_parts(model: onnx.ModelProto) -> dict[str, list[str]]:
     """The names of the :data:`QUANTIZED_OPS` nodes of each part of an exported model, in graph order.
 
     A part is a module two levels down the detector (``backbone.body``, ``backbone.fpn``, ``rpn.head``,
-    ``roi_heads.box_head``, ``head.classification_head``, ...), read from the module path torch's exporter
-    records with each node; nodes outside such a module (post-processing) and :data:`FLOAT_PARTS` are in none.
+    ``roi_heads.box_head``, ``head.classification_head``, RT-DETR's ``encoder.aifi``, ``decoder.layers``, ...), read
+    from the module path torch's exporter records with each node; nodes outside such a module (post-processing) and
+    :data:`FLOAT_PARTS` are in none. A ``ModuleList`` has no forward, so the exporter records no path for it, only
+    for its elements (``decoder.layers.0``): their nodes belong to the list's part.
     """
     parts: dict[str, list[str]] = {}
     for node in model.graph.node:
         if node.op_type not in QUANTIZED_OPS:
             continue
         scopes = next((ast.literal_eval(p.value) for p in node.metadata_props if p.key == _SCOPES), [])
-        part = next((s for s in scopes if s.count(".") == 1), None)
+        part = next((".".join(s.split(".")[:2]) for s in scopes if s.count(".") >= 1), None)
         if part is not None and part not in FLOAT_PARTS:
             parts.setdefault(part, []).append(node.name)
     return parts
@@ -185,7 +187,15 @@ class Quantizer:
     def __init__(self, float_path: str, workdir: str, calibration: RecordBatches | Sequence[Batch],
                  reduce_range: bool) -> None:
         self.model_path = os.path.join(workdir, "preprocessed.onnx")
-        quant_pre_process(float_path, self.model_path, auto_merge=True, guess_output_rank=True)
+        try:
+            quant_pre_process(float_path, self.model_path, auto_merge=True, guess_output_rank=True)
+        except TypeError as exc:
+            # onnxruntime's symbolic shape inference gives up on some graphs (RT-DETR's: reductions of opset 18 leave
+            # outputs without a rank, and it takes their length). It only serves the transformer fusions; ONNX's own
+            # shape inference, which quantization needs, still runs without it.
+            logger.info(f"int8: onnxruntime's symbolic shape inference failed on {float_path} ({exc}); "
+                        "pre-processing without it")
+            quant_pre_process(float_path, self.model_path, skip_symbolic_shape=True)
         # The parts are read from the export: pre-processing folds FrozenBatchNorm's multiply-add into the convolution
         # before it, keeping the convolution's name but not the module path recorded with it.
         kept = {node.name for node in onnx.load(self.model_path).graph.node}

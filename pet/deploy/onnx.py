@@ -13,9 +13,10 @@ R-50-FPN Faster R-CNN on a 2-core CPU, against ~10 s for the tracer.
 
 **The graph.** Inputs ``images`` uint8 ``[B, 3, H, W]`` and ``image_sizes`` int64 ``[B, 2]``, with ``B``, ``H``
 and ``W`` dynamic (``H`` and ``W`` larger than the coarsest feature map's stride, e.g. 129 px for P7
-models); outputs and their layout are those of :mod:`pet.deploy.graph`. Boxes come out in the network
-input's pixels; :class:`pet.deploy.onnxruntime_model.OnnxRuntimeModel` maps them to the original images and
-pastes masks, with the PyTorch model's own functions.
+models; for RT-DETR multiples of 32 from 64 px, see :class:`pet.deploy.graph.RTDETRGraph`); outputs and their
+layout are those of :mod:`pet.deploy.graph`. Boxes come out in the network input's pixels;
+:class:`pet.deploy.onnxruntime_model.OnnxRuntimeModel` maps them to the original images and pastes masks, with the
+PyTorch model's own functions.
 
 The parity gate an export must pass before it counts is :mod:`pet.deploy.parity`.
 """
@@ -60,12 +61,13 @@ def import_onnx() -> ModuleType:
 
 
 def export_onnx(model: torch.nn.Module, example: Batch, path: str, metadata: Mapping[str, str] | None = None) -> str:
-    """Export ``model`` (a Pet FasterRCNN, MaskRCNN, KeypointRCNN, RetinaNet or FCOS) to the ONNX file ``path``; returns
-    ``path``.
+    """Export ``model`` (a Pet FasterRCNN, MaskRCNN, KeypointRCNN, RetinaNet, FCOS or RTDETR) to the ONNX file ``path``;
+    returns ``path``.
 
     ``example`` is a batch as the test loader gives it (``(images, targets)``); its values do not matter, but
     every feature map of its images must be larger than 1x1 (the smallest size the graph then takes is
-    recorded in the file's metadata as ``pet.min_image_size``, beside the score threshold and detections per
+    recorded in the file's metadata as ``pet.min_image_size``, and what the sides must be a multiple of as
+    ``pet.size_multiple``, beside the score threshold and detections per
     image it computes with, ``pet.score_thresh`` and ``pet.detections_per_img``); ``metadata`` adds the caller's
     entries (tools/export.py records the label space). The file is checked with ``onnx.checker``.
     An operation the exporter cannot handle is an :class:`ExportError` naming it and the module that calls it.
@@ -76,16 +78,18 @@ def export_onnx(model: torch.nn.Module, example: Batch, path: str, metadata: Map
     if len(sizes) == 1:  # torch.export takes a size of 1 for a constant: trace a batch of two
         images, sizes = images.repeat(2, 1, 1, 1), sizes * 2
     args = (images.contiguous(), torch.tensor(sizes, dtype=torch.int64))
-    min_size = _min_image_size(graph, args)
+    multiple = graph.size_multiple
+    min_size = math.ceil(_min_image_size(graph, args) / multiple) * multiple
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
-    height = torch.export.Dim("height", min=min_size, max=MAX_IMAGE_SIZE)
-    width = torch.export.Dim("width", min=min_size, max=MAX_IMAGE_SIZE)
+    height, width = (_side(name, min_size, multiple, size) for name, size in
+                     zip(("height", "width"), args[0].shape[-2:]))
     dynamic = {"images": {0: batch, 2: height, 3: width}, "image_sizes": {0: batch}}
     onnx_program = to_onnx(graph, args, dynamic, INPUT_NAMES, graph.output_names)
     heads = getattr(model, "roi_heads", model)  # where the built-in detectors keep their test thresholds
     onnx_program.model.metadata_props.update({
         "pet.architecture": type(model).__name__,
         "pet.min_image_size": str(min_size),
+        "pet.size_multiple": str(multiple),
         # The graph computes with them whatever a later config says (tools/predict.py warns about a lower threshold).
         "pet.score_thresh": str(getattr(heads, "score_thresh", "")),
         "pet.detections_per_img": str(getattr(heads, "detections_per_img", "")),
@@ -133,6 +137,19 @@ def to_onnx(module: torch.nn.Module, args: tuple[Any, ...], dynamic_shapes: dict
                           f"the ONNX exporter has no translation for operation {op}{_source_line(node)}. Use "
                           "standard torch operations there, or export with a custom_translation_table entry for "
                           "it.") from exc
+
+
+def _side(name: str, min_size: int, multiple: int, example: int) -> Any:
+    """The dynamic dimension of a padded side: free from ``min_size`` to :data:`MAX_IMAGE_SIZE`, or ``multiple`` x a
+    free count of cells where the graph needs sides that are multiples of it (RT-DETR: see
+    :class:`pet.deploy.graph.RTDETRGraph`), whose example must be one; ``min_size`` is then one too."""
+    if multiple == 1:
+        return torch.export.Dim(name, min=min_size, max=MAX_IMAGE_SIZE)
+    if example % multiple:
+        raise ExportError(f"The example images' padded {name} ({example} px) is not a multiple of {multiple}, which "
+                          f"this model's graph needs: export with INPUT.SIZE_DIVISIBILITY {multiple}.")
+    cells = torch.export.Dim(f"{name}_cells", min=min_size // multiple, max=MAX_IMAGE_SIZE // multiple)
+    return multiple * cells
 
 
 def _min_image_size(graph: DetectorGraph, args: tuple[Tensor, Tensor]) -> int:

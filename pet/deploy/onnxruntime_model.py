@@ -62,6 +62,8 @@ class OnnxRuntimeModel(torch.nn.Module):
         self.output_names = [output.name for output in self.session.get_outputs()]
         metadata = self.session.get_modelmeta().custom_metadata_map
         self.min_image_size = int(metadata.get("pet.min_image_size", 1))
+        # What the padded sides must be a multiple of (RT-DETR's graph: 32); 1 in older exports, which do not record it.
+        self.size_multiple = int(metadata.get("pet.size_multiple", 1))
         # The score threshold the graph computes with (None where an older export does not record it).
         self.score_thresh = float(metadata["pet.score_thresh"]) if metadata.get("pet.score_thresh") else None
         self.eval()
@@ -79,6 +81,10 @@ class OnnxRuntimeModel(torch.nn.Module):
         if min(images.shape[-2:]) < self.min_image_size:
             raise PetError(f"{self.path} takes padded images of at least {self.min_image_size} px a side (so that "
                            f"every feature map is larger than 1 cell); this batch is {tuple(images.shape[-2:])} px.")
+        if any(side % self.size_multiple for side in images.shape[-2:]):
+            raise PetError(f"{self.path} takes padded images whose height and width are multiples of "
+                           f"{self.size_multiple}; this batch is {tuple(images.shape[-2:])} px. Pad batches with "
+                           f"INPUT.SIZE_DIVISIBILITY {self.size_multiple} (or a multiple of it).")
         outputs = self.session.run(None, session_inputs(images, targets))
         named = {name: torch.from_numpy(value) for name, value in zip(self.output_names, outputs)}
         counts = torch.bincount(named.pop("image_index"), minlength=len(targets)).tolist()

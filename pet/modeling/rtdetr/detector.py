@@ -49,7 +49,7 @@ class RTDETR(nn.Module):
         super().__init__()
         node = cfg.MODEL.RTDETR
         self.num_classes = cfg.MODEL.NUM_CLASSES
-        self.num_top = node.DETECTIONS_PER_IMAGE
+        self.detections_per_img = node.DETECTIONS_PER_IMAGE  # the other detectors' name, which pet.deploy reads
         self.score_thresh = node.SCORE_THRESH_TEST
         self.normalizer = Normalizer(cfg)
         self.backbone = build_backbone(cfg)
@@ -105,7 +105,8 @@ class RTDETR(nn.Module):
         x0, y0, x1, y1 = box_convert(boxes.float(), "cxcywh", "xyxy").unbind(-1)
         corners = torch.stack([x0 * width, y0 * height, x1 * width, y1 * height], -1)
         classes = logits.shape[-1]
-        scores, index = logits.float().sigmoid().flatten(1).topk(min(self.num_top, logits.shape[1] * classes), dim=1)
+        top = min(self.detections_per_img, logits.shape[1] * classes)
+        scores, index = logits.float().sigmoid().flatten(1).topk(top, dim=1)
         query = torch.div(index, classes, rounding_mode="floor")
         picked = corners.gather(1, query.unsqueeze(-1).expand(-1, -1, 4))
         return picked, scores, index - query * classes + 1, scores > self.score_thresh
