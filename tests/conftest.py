@@ -46,8 +46,9 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 SLOWEST_FILES = (
     "test_keypoint_rcnn.py", "test_multinode.py", "test_torchvision_weights.py", "test_export.py",
     "test_checkpoint_files.py", "test_stops.py", "test_distributed.py", "test_end_to_end.py", "test_worker_death.py",
-    "test_mask_rcnn.py", "test_cascade_rcnn.py", "test_rtdetr_parity.py", "test_int8.py", "test_evaluation.py",
-    "test_predict.py", "test_kill_resume.py", "test_trainer_api.py", "test_rtdetr.py", "test_benchmarks.py",
+    "test_mask_rcnn.py", "test_cascade_rcnn.py", "test_rtdetr_export.py", "test_rtdetr_parity.py", "test_int8.py",
+    "test_evaluation.py", "test_predict.py", "test_kill_resume.py", "test_trainer_api.py", "test_rtdetr.py",
+    "test_benchmarks.py", "test_rtdetr_distributed.py", "test_rtdetr_predict.py",
 )
 
 
