@@ -28,6 +28,8 @@ from fvcore.common.config import CfgNode
 
 from pet.config import load_cfg
 from pet.data import catalog, register_coco_dataset
+from pet.engine.inference import evaluate_on_datasets
+from pet.predict import PredictionWriter, Predictor, Source
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFGS = os.path.join(ROOT, "cfgs")
@@ -348,3 +350,19 @@ class BlobDetector(torch.nn.Module):
             outputs.append({"boxes": torch.from_numpy(boxes), "scores": torch.full((count - 1,), 0.9),
                             "labels": torch.tensor(labels, dtype=torch.int64)})
         return outputs
+
+
+def detections_of_test_net_and_predict(cfg: CfgNode, val_dir: str, val_json: str, out: Path
+                                    ) -> tuple[list, list, Predictor]:
+    """One model's detections on one folder, from test_net's evaluation (``bbox.json``) and from a
+    :class:`Predictor` stream written in COCO's format (what predict must equal exactly), and that predictor."""
+    predictor = Predictor(cfg)
+    evaluate_on_datasets(cfg, predictor.model, str(out / "test"))
+    source = Source(val_dir)
+    with PredictionWriter(str(out / "predict"), ["coco"], predictor.label_space, source, ann=val_json) as writer:
+        for detections in predictor.stream(source):
+            writer.write(detections)
+    with open(out / "test" / "bbox.json") as f:
+        expected = json.load(f)
+    with open(out / "predict" / "predictions.json") as f:
+        return expected, json.load(f), predictor

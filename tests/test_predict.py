@@ -30,12 +30,19 @@ import pytest
 import torch
 import yaml
 from conftest import toy_trainer
-from helpers import DEMO_CFG, ROOT, BlobDetector, custom_datasets, run_tool, run_tool_in_process
+from helpers import (
+    DEMO_CFG,
+    ROOT,
+    BlobDetector,
+    custom_datasets,
+    detections_of_test_net_and_predict,
+    run_tool,
+    run_tool_in_process,
+)
 
 from pet.config import load_cfg
 from pet.data.categories import LabelSpace, dataset_label_space
 from pet.data.formats.yolo import read_yolo
-from pet.engine.inference import evaluate_on_datasets
 from pet.modeling import build_model
 from pet.predict import PredictionWriter, Predictor, Source, predict_cfg
 from pet.predict.labels import model_label_space
@@ -96,17 +103,7 @@ def write_scene(path: str, size: tuple[int, int], boxes: list[tuple[int, int, in
 def test_a_folder_gives_exactly_test_nets_detections_at_its_batch_size(demo, tmp_path):
     """Same model, precision (TEST.AMP auto), transform and padded batches of 4 (6 images: 4 + 2) as test_net."""
     cfg = load_cfg(DEMO_CFG, [*demo.opts, "TEST.WEIGHTS", demo.weights, "TEST.IMS_PER_BATCH", "4"])
-    predictor = Predictor(cfg)
-    evaluate_on_datasets(cfg, predictor.model, str(tmp_path / "test"))
-    source = Source(demo.val_dir)
-    with PredictionWriter(str(tmp_path / "predict"), ["coco"], predictor.label_space, source,
-                          ann=demo.val_json) as writer:
-        for detections in predictor.stream(source):
-            writer.write(detections)
-    with open(tmp_path / "test" / "bbox.json") as f:
-        expected = json.load(f)
-    with open(tmp_path / "predict" / "predictions.json") as f:
-        predicted = json.load(f)
+    expected, predicted, predictor = detections_of_test_net_and_predict(cfg, demo.val_dir, demo.val_json, tmp_path)
     assert len(expected) > 100 and predicted == expected
     assert predictor.stats.pictures == 6 and predictor.stats.detections == len(expected)
 

@@ -20,14 +20,13 @@ import cv2
 import numpy as np
 import pytest
 import torch
-from helpers import custom_datasets, run_tool_in_process
+from helpers import custom_datasets, detections_of_test_net_and_predict, run_tool_in_process
 from test_rtdetr import SHAPES_CFG, TINY
 
 from pet.config import load_cfg
 from pet.data.categories import LabelSpace
-from pet.engine.inference import evaluate_on_datasets
 from pet.modeling import build_model
-from pet.predict import PredictionWriter, Predictor, Source, predict_cfg
+from pet.predict import Predictor, predict_cfg
 from pet.predict.tiling import TileSpec, merge_tiles
 
 SHAPES = LabelSpace((1, 2, 3), ("circle", "rectangle", "triangle"))
@@ -105,17 +104,8 @@ def test_every_output_format_of_a_folder_with_a_video(tiny, tmp_path, monkeypatc
 
 def test_a_folder_gives_exactly_test_nets_detections(tiny, tmp_path):
     cfg = load_cfg(SHAPES_CFG, [*tiny.opts, "TEST.IMS_PER_BATCH", "4"])
-    predictor = Predictor(cfg)
-    evaluate_on_datasets(cfg, predictor.model, str(tmp_path / "test"))
-    source = Source(tiny.val_dir)
-    with PredictionWriter(str(tmp_path / "predict"), ["coco"], predictor.label_space, source,
-                          ann=tiny.val_json) as writer:
-        for detections in predictor.stream(source):
-            writer.write(detections)
-    with open(tmp_path / "test" / "bbox.json") as f:
-        expected = json.load(f)
-    with open(tmp_path / "predict" / "predictions.json") as f:
-        assert json.load(f) == expected and len(expected) == 6 * PER_PICTURE
+    expected, predicted, _ = detections_of_test_net_and_predict(cfg, tiny.val_dir, tiny.val_json, tmp_path)
+    assert predicted == expected and len(expected) == 6 * PER_PICTURE
 
 
 def test_a_score_threshold_below_the_models_lowers_its_score_thresh_test(tiny):
