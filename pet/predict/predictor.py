@@ -38,6 +38,8 @@ from pet.engine.inference import inference_precision
 from pet.engine.inference_timer import InferenceTimer
 from pet.engine.models import call_model, model_device
 from pet.engine.precision import Precision
+from pet.modeling import FCOS, RTDETR, FasterRCNN, RetinaNet
+from pet.modeling.build import META_ARCH_REGISTRY
 from pet.predict.labels import ONNX_METADATA_KEY, label_space_from_checkpoint, model_label_space
 from pet.predict.sources import Collate, Picture, Preparer, Source, Work, build_loader
 from pet.predict.tiling import TileSpec, merge_tiles
@@ -54,10 +56,9 @@ logger = logging.getLogger(__name__)
 # broken one, so an unreadable picture is skipped and counted (DATA.ON_BAD_IMAGE error stops instead).
 PREDICT_DEFAULTS = ("DATA.ON_BAD_IMAGE", "skip")
 
-# Where each built-in detector keeps its test score threshold, which drops detections inside the model.
-_SCORE_NODES = {"FasterRCNN": "ROI_HEADS", "MaskRCNN": "ROI_HEADS", "KeypointRCNN": "ROI_HEADS",
-                "CascadeRCNN": "ROI_HEADS", "CascadeMaskRCNN": "ROI_HEADS", "RetinaNet": "RETINANET", "FCOS": "FCOS",
-                "RTDETR": "RTDETR"}
+# Where each built-in detector family keeps its test score threshold, which drops detections inside the model; a
+# subclass (Mask, Keypoint and Cascade R-CNN, or a user's own detector) keeps it where its base does.
+_SCORE_NODES = {FasterRCNN: "ROI_HEADS", RetinaNet: "RETINANET", FCOS: "FCOS", RTDETR: "RTDETR"}
 
 
 @dataclass
@@ -123,8 +124,10 @@ def predict_cfg(cfg_file: str, opts: Sequence[str] = ()) -> CfgNode:
 
 def model_score_thresh(cfg: CfgNode) -> tuple[str, float] | None:
     """The model's test score threshold: its config key (``MODEL.ROI_HEADS.SCORE_THRESH_TEST`` ...) and value;
-    None for a detector Pet does not know."""
-    node = _SCORE_NODES.get(cfg.MODEL.META_ARCHITECTURE)
+    None for a detector that derives from none of Pet's (or is built by a function)."""
+    arch = META_ARCH_REGISTRY.get(cfg.MODEL.META_ARCHITECTURE)
+    node = next((node for base, node in _SCORE_NODES.items() if isinstance(arch, type) and issubclass(arch, base)),
+                None)
     return (f"MODEL.{node}.SCORE_THRESH_TEST", cfg.MODEL[node].SCORE_THRESH_TEST) if node else None
 
 
