@@ -17,22 +17,30 @@ picture small enough to need no tiles.
    cut the picture (a picture's corner against a plain background taken for a rectangle). An object
    two tiles see is found by both. The detections below 0.1 are the model's noise at a low test
    threshold, which would confirm anything.
-1. Whole detections: class-wise NMS (the same object seen whole by two overlapping tiles).
+1. Whole detections, one view per object: whole detections from different tiles, scoring >= 0.1, whose
+   boxes agree (IoU >= 0.6, whatever their classes) are one object seen by several tiles. Each tile's view
+   comes with its own classes and its own doubts, so the union of the views holds every view's wrong class;
+   a picture small enough to need no tiles gives one view. The tile that sees the object farthest from its
+   inner edges (the most context around it, as the uncut picture has) keeps its detections there, with
+   every class it gave; the other tiles' go. Then class-wise NMS.
 2. The fragment rule: a cut detection lying mostly inside (intersection over its own area >= ``ios``) a
    whole detection from *another* tile, scoring >= 0.05, is a piece of what that tile saw whole:
    dropped, whatever class either has and however much higher the piece scores. A fragment is often
    taken for another class (half a circle looks like a rectangle) and often scores higher than the
    whole copy, so neither may decide; but a whole detection below 0.05 is noise, not a view of the
-   object, and may not erase a confident piece of it. The covering detection must be whole, since two
-   pieces of one object cover each other (step 3 joins them).
+   object, and may not erase a confident piece of it. The whole copy of an object contains its piece
+   except where the piece is cut: a piece reaching out of the covering box by more than 0.3 of its own
+   width or height on a side its tile does not cut is a view of something else, and stays. The covering
+   detection must be whole, since two pieces of one object cover each other (step 3 joins them).
 3. The cut detections left belong to objects no tile saw whole: two from overlapping tiles, of
    comparable scores, whose boxes agree in the region both tiles see (IoU >= ``iou`` there) are pieces
-   of one object, whatever classes they were given; pieces are joined, transitively, into one box,
-   their union, with the best member's score and class. An object spanning three tiles or more is thus
-   rebuilt whole.
+   of one object, whatever classes they were given; pieces are joined, transitively, into one box with the
+   best member's score and class. Each side of that box is the side of the most confident piece that sees
+   it uncut (the outermost one where every piece is cut there): a doubtful piece straying past the object
+   does not widen it. An object spanning three tiles or more is thus rebuilt whole.
 4. A last class-wise NMS over the result, then the ``max_det`` best.
 
-The margin, the consensus and the fragment rule's conditions were measured (docs/predict.md,
+The margin, the consensus, the views and the fragment rule's conditions were measured (docs/predict.md,
 docs/BENCHMARKS.md): requiring the covering detection to score at least half the fragment's score (an
 earlier version of this merge) kept the confident fragments of cut pictures whose whole view scores
 low; no score condition at all let a whole detection at 0.01-0.04 erase an object found at 0.9 by the
@@ -50,7 +58,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from torchvision.ops import batched_nms, box_area
+from torchvision.ops import batched_nms, box_area, box_iou
 
 from pet.utils.errors import ConfigError
 
@@ -121,6 +129,13 @@ _COVER_SCORE = 0.05
 # detections (they lie where one tile alone sees them whole); half (0.5) drops real objects of the scenes.
 _SEEN = 0.75
 _CONFIRM_SCORE = 0.1
+# One view per object: whole detections of different tiles agreeing this much (IoU) are one object. Measured: 0.5, 0.6
+# and 0.7 are within two objects of each other on every picture (docs/predict.md); 0.6, the middle, is the default.
+_SAME_OBJECT = 0.6
+# The fragment rule's cover must contain the fragment but for its cut sides, up to this fraction of the fragment's
+# width or height. Measured: 0.1 and 0.2 keep fragments whose box strays a little past their whole copy (scene
+# precision 0.919, mosaic 0.606), 0.5 is as no condition at all (wide detections of something else erase pieces).
+_STICK_OUT = 0.3
 
 
 def _pairwise_intersection(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -154,19 +169,69 @@ def _unconfirmed(boxes: torch.Tensor, scores: torch.Tensor, tile_ids: torch.Tens
     return unconfirmed
 
 
-def _covered(pieces: torch.Tensor, piece_tiles: torch.Tensor, whole: torch.Tensor, whole_tiles: torch.Tensor,
-             whole_scores: torch.Tensor, ios: float) -> torch.Tensor:
+def _other_views(boxes: torch.Tensor, scores: torch.Tensor, tile_ids: torch.Tensor, tiles: torch.Tensor,
+                 size: tuple[int, int]) -> torch.Tensor:
+    """Whether each whole detection is another tile's view of an object some tile sees with more context around
+    it (step 1 of the module docstring): among detections scoring ``_CONFIRM_SCORE`` or more, those of different
+    tiles with IoU >= ``_SAME_OBJECT`` are one object, transitively; the tile whose member lies farthest from its
+    inner edges keeps its members, the other tiles' are marked. The whole-image pass (tile -1) sees objects at
+    another scale, not as another tile: it takes no part."""
+    other = torch.zeros(len(boxes), dtype=torch.bool)
+    judged = torch.nonzero((scores >= _CONFIRM_SCORE) & (tile_ids >= 0)).flatten()
+    if len(judged) < 2:
+        return other
+    b, t = boxes[judged], tile_ids[judged]
+    pairs = []
+    for i in range(0, len(b), _BLOCK):
+        same = (box_iou(b[i:i + _BLOCK], b) >= _SAME_OBJECT) & (t[i:i + _BLOCK, None] != t[None])
+        found = torch.nonzero(same)
+        found[:, 0] += i
+        pairs.append(found[found[:, 0] < found[:, 1]])
+    context = _context(b, t, tiles, size)
+    for group in _components(len(b), torch.cat(pairs)):
+        if len(group) > 1:
+            members = torch.tensor(group)
+            view = t[members[torch.argmax(context[members])]]
+            other[judged[members[t[members] != view]]] = True
+    return other
+
+
+def _context(boxes: torch.Tensor, tile_ids: torch.Tensor, tiles: torch.Tensor, size: tuple[int, int]
+             ) -> torch.Tensor:
+    """How far each detection lies from the nearest inner edge of its tile, in px (the image border is no cut)."""
+    height, width = size
+    t = tiles[tile_ids].to(boxes.dtype)
+    far = torch.tensor(float(max(height, width)))
+    return torch.stack([torch.where(t[:, 0] > 0, boxes[:, 0] - t[:, 0], far),
+                        torch.where(t[:, 1] > 0, boxes[:, 1] - t[:, 1], far),
+                        torch.where(t[:, 2] < width, t[:, 2] - boxes[:, 2], far),
+                        torch.where(t[:, 3] < height, t[:, 3] - boxes[:, 3], far)], dim=1).min(dim=1).values
+
+
+def _covered(pieces: torch.Tensor, piece_cut: torch.Tensor, piece_tiles: torch.Tensor, whole: torch.Tensor,
+             whole_tiles: torch.Tensor, whole_scores: torch.Tensor, ios: float) -> torch.Tensor:
     """Whether each piece lies mostly (``ios`` of its own area) inside a whole detection from another tile
-    scoring ``_COVER_SCORE`` or more, whatever the class of either (the fragment rule of the module docstring)."""
+    scoring ``_COVER_SCORE`` or more, whatever the class of either, and reaches out of it by at most
+    ``_STICK_OUT`` of its own size on each side its tile does not cut (``piece_cut``: [N, 4], x0 y0 x1 y1);
+    the fragment rule of the module docstring."""
     whole, whole_tiles = whole[whole_scores >= _COVER_SCORE], whole_tiles[whole_scores >= _COVER_SCORE]
+    covered = torch.zeros(len(pieces), dtype=torch.bool)
     if not len(pieces) or not len(whole):
-        return torch.zeros(len(pieces), dtype=torch.bool)
+        return covered
     area = box_area(pieces).clamp(min=1e-6)
-    covered = []
+    pairs = []
     for i in range(0, len(pieces), _BLOCK):
         inside = _pairwise_intersection(pieces[i:i + _BLOCK], whole) / area[i:i + _BLOCK, None] >= ios
-        covered.append((inside & (whole_tiles[None] != piece_tiles[i:i + _BLOCK, None])).any(dim=1))
-    return torch.cat(covered)
+        found = torch.nonzero(inside & (whole_tiles[None] != piece_tiles[i:i + _BLOCK, None]))
+        found[:, 0] += i
+        pairs.append(found)
+    piece, cover = torch.cat(pairs).unbind(dim=1)
+    p, c = pieces[piece], whole[cover]
+    reach = torch.cat([c[:, :2] - p[:, :2], p[:, 2:] - c[:, 2:]], dim=1)  # how far the piece reaches out, per side
+    size = (p[:, 2:] - p[:, :2]).repeat(1, 2)
+    contained = ((reach <= _STICK_OUT * size) | piece_cut[piece]).all(dim=1)
+    covered[piece[contained]] = True
+    return covered
 
 
 def _seam_pairs(boxes: torch.Tensor, scores: torch.Tensor, tile_ids: torch.Tensor, tiles: torch.Tensor,
@@ -201,21 +266,32 @@ def _seam_pairs(boxes: torch.Tensor, scores: torch.Tensor, tile_ids: torch.Tenso
     return pairs[agree]
 
 
-def _cut(boxes: torch.Tensor, tile_ids: torch.Tensor, tiles: torch.Tensor, size: tuple[int, int],
-         margin: float) -> torch.Tensor:
-    """Whether each detection reaches an inner edge of its tile (a tile edge that is not the image border)."""
+def _cut_sides(boxes: torch.Tensor, tile_ids: torch.Tensor, tiles: torch.Tensor, size: tuple[int, int],
+               margin: float) -> torch.Tensor:
+    """[N, 4] bool: whether each side (x0, y0, x1, y1) of each detection reaches an inner edge of its tile (a tile
+    edge that is not the image border)."""
     height, width = size
-    cut = torch.zeros(len(boxes), dtype=torch.bool)
+    cut = torch.zeros(len(boxes), 4, dtype=torch.bool)
     from_tile = tile_ids >= 0  # -1: the whole-image pass, never cut
     if not from_tile.any():
         return cut
     t = tiles[tile_ids[from_tile]].to(boxes.dtype)
     b = boxes[from_tile]
-    cut[from_tile] = (((t[:, 0] > 0) & (b[:, 0] <= t[:, 0] + margin))
-                      | ((t[:, 1] > 0) & (b[:, 1] <= t[:, 1] + margin))
-                      | ((t[:, 2] < width) & (b[:, 2] >= t[:, 2] - margin))
-                      | ((t[:, 3] < height) & (b[:, 3] >= t[:, 3] - margin)))
+    cut[from_tile] = torch.stack([(t[:, 0] > 0) & (b[:, 0] <= t[:, 0] + margin),
+                                  (t[:, 1] > 0) & (b[:, 1] <= t[:, 1] + margin),
+                                  (t[:, 2] < width) & (b[:, 2] >= t[:, 2] - margin),
+                                  (t[:, 3] < height) & (b[:, 3] >= t[:, 3] - margin)], dim=1)
     return cut
+
+
+def _joined_box(members: torch.Tensor, member_cut: torch.Tensor, member_scores: torch.Tensor) -> torch.Tensor:
+    """One box from the pieces of an object: each side from the most confident piece that sees it uncut, or the
+    outermost where every piece is cut there (step 3 of the module docstring)."""
+    outermost = torch.cat([members[:, :2].min(dim=0).values, members[:, 2:].max(dim=0).values])
+    uncut_scores = torch.where(member_cut, -1.0, member_scores[:, None])  # [K, 4]
+    best = uncut_scores.argmax(dim=0)
+    seen = (~member_cut).any(dim=0)
+    return torch.where(seen, members[best, torch.arange(4)], outermost)
 
 
 def _components(count: int, pairs: torch.Tensor) -> list[list[int]]:
@@ -242,18 +318,20 @@ def merge_seams(boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor,
     """The seam-aware merge of the module docstring; returns (boxes, scores, labels), best first."""
     confirmed = ~_unconfirmed(boxes, scores, tile_ids, tiles)
     boxes, scores, labels, tile_ids = boxes[confirmed], scores[confirmed], labels[confirmed], tile_ids[confirmed]
-    cut = _cut(boxes, tile_ids, tiles, size, margin)
+    cut_sides = _cut_sides(boxes, tile_ids, tiles, size, margin)
+    cut = cut_sides.any(dim=1)
     whole = torch.nonzero(~cut).flatten()
+    whole = whole[~_other_views(boxes[whole], scores[whole], tile_ids[whole], tiles, size)]
     whole = whole[batched_nms(boxes[whole], scores[whole], labels[whole], iou)]
     pieces = torch.nonzero(cut).flatten()
-    pieces = pieces[~_covered(boxes[pieces], tile_ids[pieces], boxes[whole], tile_ids[whole], scores[whole], ios)]
+    pieces = pieces[~_covered(boxes[pieces], cut_sides[pieces], tile_ids[pieces], boxes[whole], tile_ids[whole],
+                              scores[whole], ios)]
     out_boxes, out_scores, out_labels = [boxes[whole]], [scores[whole]], [labels[whole]]
     if len(pieces):
-        b, s, lab, t = boxes[pieces], scores[pieces], labels[pieces], tile_ids[pieces]
+        b, s, lab, t, sides = boxes[pieces], scores[pieces], labels[pieces], tile_ids[pieces], cut_sides[pieces]
         for group in _components(len(b), _seam_pairs(b, s, t, tiles, iou)):
             best = group[int(torch.argmax(s[group]))]
-            members = b[group]
-            out_boxes.append(torch.cat([members[:, :2].min(dim=0).values, members[:, 2:].max(dim=0).values])[None])
+            out_boxes.append(_joined_box(b[group], sides[group], s[group])[None])
             out_scores.append(s[best:best + 1])
             out_labels.append(lab[best:best + 1])
     boxes, scores, labels = torch.cat(out_boxes), torch.cat(out_scores), torch.cat(out_labels)
