@@ -61,6 +61,13 @@ def test_trains_on_a_batch_with_an_image_without_objects(tiny_model):
     assert all(torch.isfinite(v) for v in losses.values())
 
 
+@pytest.mark.parametrize("divisibility", ["16", "0"])
+def test_a_batch_padding_rt_detr_cannot_take_is_a_config_error(divisibility):
+    with pytest.raises(ConfigError, match=f"INPUT.SIZE_DIVISIBILITY a multiple of 32, got {divisibility}.*"
+                                          "Set INPUT.SIZE_DIVISIBILITY 32"):
+        build_model(tiny_cfg("INPUT.SIZE_DIVISIBILITY", divisibility))
+
+
 def test_detections_follow_the_batch_contract(tiny_model):
     images, targets = detector_batch()
     tiny_model.eval()

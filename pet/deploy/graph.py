@@ -261,12 +261,13 @@ class RTDETRGraph(DetectorGraph):
 
     The encoder upsamples the stride-32 map by 2 and concatenates it with the stride-16 one (and so on down to
     stride 8), which holds only where the padded sides are multiples of 32; the PyTorch model needs it too
-    (``INPUT.SIZE_DIVISIBILITY`` 32). ``size_multiple`` tells the exporter, which then makes the height and width
-    32 x a free size rather than free sizes that torch.export cannot relate (the AIFI position embedding and the
-    query-selection anchors are computed in the graph from the feature maps' sizes, so they stay dynamic).
+    (``INPUT.SIZE_DIVISIBILITY`` 32, ``RTDETR.size_multiple``). ``size_multiple`` tells the exporter, which then
+    makes the height and width 32 x a free size rather than free sizes that torch.export cannot relate (the AIFI
+    position embedding and the query-selection anchors are computed in the graph from the feature maps' sizes, so
+    they stay dynamic).
     """
 
-    size_multiple = 32
+    size_multiple = RTDETR.size_multiple
 
     def __init__(self, model: RTDETR) -> None:
         super().__init__(model)

@@ -29,6 +29,7 @@ from pet.modeling.rtdetr.matcher import RTDETR_MATCHER_REGISTRY
 from pet.modeling.rtdetr.queries import ContrastiveDenoising
 from pet.modeling.rtdetr.weights import convert_transformers_state_dict, is_transformers_state_dict
 from pet.modeling.state_dict_names import convert_state_dict
+from pet.utils.errors import ConfigError
 from pet.utils.timers import timed
 
 __all__ = ["RTDETR"]
@@ -44,10 +45,18 @@ class RTDETR(nn.Module):
     # The class heads (and the denoising label embedding) have one row per class.
     class_dependent_prefixes: tuple[str, ...] = ("decoder.class_heads.", "decoder.query_selection.score_head.",
                                                  "decoder.denoising.label_embed.")
+    # The encoder doubles the stride-32 map and concatenates it with the stride-16 one (and so on down to stride 8):
+    # the padded height and width must divide by 32 (INPUT.SIZE_DIVISIBILITY; pet.deploy's export reads it too).
+    size_multiple = 32
 
     def __init__(self, cfg: CfgNode) -> None:
         super().__init__()
         node = cfg.MODEL.RTDETR
+        divisibility = cfg.INPUT.SIZE_DIVISIBILITY
+        if divisibility <= 0 or divisibility % self.size_multiple:
+            raise ConfigError(f"RT-DETR needs INPUT.SIZE_DIVISIBILITY a multiple of {self.size_multiple}, got "
+                              f"{divisibility}: its encoder doubles the stride-32 map onto the stride-16 one, so "
+                              f"every padded batch must divide by 32. Set INPUT.SIZE_DIVISIBILITY 32.")
         self.num_classes = cfg.MODEL.NUM_CLASSES
         self.detections_per_img = node.DETECTIONS_PER_IMAGE  # the other detectors' name, which pet.deploy reads
         self.score_thresh = node.SCORE_THRESH_TEST
