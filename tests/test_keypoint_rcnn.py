@@ -16,10 +16,12 @@ from test_export import randomize_norms, rescale_output
 from test_torchvision_weights import assert_results_match_torchvision
 
 from pet.config import load_cfg
+from pet.data.categories import LabelSpace
 from pet.deploy.onnx import export_onnx
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel
 from pet.deploy.parity import ParityError, check_parity, parity_batches
 from pet.modeling import build_model
+from pet.predict import Predictor
 from pet.utils.errors import ConfigError, DataError
 
 COCO_CFG = os.path.join(CFGS, "coco", "keypoint_rcnn_R-50-FPN_1x.yaml")
@@ -261,3 +263,29 @@ def test_a_keypoint_model_without_keypoints_is_a_config_error_naming_the_key():
                    [*TINY, "MODEL.ROI_KEYPOINT_HEAD.NUM_KEYPOINTS", "0"])
     with pytest.raises(ConfigError, match=r"MODEL.ROI_KEYPOINT_HEAD.NUM_KEYPOINTS must be >= 1, got 0"):
         build_model(cfg)
+
+
+def test_tiled_prediction_keeps_each_detections_keypoints_from_its_tile():
+    """A 256x448 picture in two 256 px tiles overlapping by 64 px, a random tiny model scoring everything: each
+    merged detection that is one tile's detection carries that tile's keypoints for it (predicted here on the
+    tile alone), moved into the picture."""
+    cfg = load_cfg(os.path.join(CFGS, "shapes", "faster_rcnn_R-10-FPN.yaml"),
+                   [*TINY, "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.0", "TEST.AMP.ENABLED", "False"])
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    picture = np.ascontiguousarray(shapes_image(3, 256, 448)[0][:, :, ::-1])  # BGR, as opencv reads
+    space = LabelSpace((1, 2, 3), ("circle", "rectangle", "triangle"))
+    tiled = Predictor(cfg, model=model, label_space=space, tile=256, tile_overlap=0.25)(picture)
+    alone = Predictor(cfg, model=model, label_space=space)
+    per_tile = [(alone(np.ascontiguousarray(picture[:, x0:x0 + 256])), x0) for x0 in (0, 192)]
+    assert tiled.keypoints is not None and tiled.keypoints.shape == (len(tiled), 4, 3)
+    matched = 0
+    for box, score, points in zip(tiled.boxes, tiled.scores, tiled.keypoints):
+        for found, x0 in per_tile:
+            same = np.flatnonzero((np.abs(found.boxes + [x0, 0, x0, 0] - box).max(axis=1) < 1e-3)
+                                  & (np.abs(found.scores - score) < 1e-4))
+            if len(same):
+                np.testing.assert_allclose(points, found.keypoints[same[0]] + [x0, 0, 0], atol=1e-3)
+                matched += 1
+                break
+    assert matched >= len(tiled) / 2 > 0, (matched, len(tiled))

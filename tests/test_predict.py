@@ -305,9 +305,9 @@ def test_the_seam_merge_keeps_neighbours_apart_where_greedy_merging_joins_them()
     tiles = torch.tensor([[0, 0, 256, 256], [192, 0, 448, 256]])
     boxes = torch.tensor([[150.0, 50, 250, 150], [200.0, 60, 240, 140], [200.0, 61, 240, 141], [192.0, 50, 250, 150]])
     scores, labels = torch.tensor([0.9, 0.8, 0.85, 0.7]), torch.tensor([1, 1, 1, 1])
-    merged, _, _ = merge_seams(boxes, scores, labels, torch.tensor([0, 0, 1, 1]), tiles, (256, 448))
+    merged, _, _, _ = merge_seams(boxes, scores, labels, torch.tensor([0, 0, 1, 1]), tiles, (256, 448))
     assert sorted(merged.tolist()) == [[150, 50, 250, 150], [200, 60, 240, 140]]  # B as tile 0 sees it, 16 px in
-    greedy, _, _ = greedy_nmm(boxes, scores, labels)
+    greedy, _, _, _ = greedy_nmm(boxes, scores, labels)
     assert len(greedy) == 1  # SAHI's merge: B disappears into A
 
 

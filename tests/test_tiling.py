@@ -22,7 +22,7 @@ def merge(detections: list[tuple[tuple[float, float, float, float], float, int, 
     boxes = torch.tensor([d[0] for d in detections], dtype=torch.float32)
     scores = torch.tensor([d[1] for d in detections])
     labels, tile_ids = torch.tensor([d[2] for d in detections]), torch.tensor([d[3] for d in detections])
-    merged, _, merged_labels = merge_seams(boxes, scores, labels, tile_ids, TILES, SIZE, margin=MARGIN)
+    merged, _, merged_labels, _ = merge_seams(boxes, scores, labels, tile_ids, TILES, SIZE, margin=MARGIN)
     return sorted(zip(merged.tolist(), merged_labels.tolist()))
 
 

@@ -72,7 +72,8 @@ class Detections:
       the video (from 0), None for an image; ``height``, ``width``: the picture's size;
     - ``image``: the picture (BGR uint8 [H, W, 3], as opencv reads) with ``stream(..., with_images=True)``;
     - ``keypoints``: float32 [N, K, 3] (x, y, score) for a keypoint model, else None; the score is the point's
-      heatmap logit (torchvision's ``keypoints_scores``), not a probability. Tiled prediction has none.
+      heatmap logit (torchvision's ``keypoints_scores``), not a probability. With tiles, each detection keeps the
+      points of the tile detection it comes from (for an object joined from pieces, the most confident piece's).
     """
 
     boxes: np.ndarray
@@ -311,18 +312,19 @@ class Predictor:
                 masks = mine[0].get("masks")
                 keypoints = _keypoints(mine[0])
             else:
-                boxes, scores, labels = self._merge(picture, mine)
+                boxes, scores, labels, keypoints = self._merge(picture, mine)
                 masks = None
             results.append(self._detections(picture, boxes, scores, labels, masks, keypoints))
         return results
 
     def _merge(self, picture: Picture, outputs: list[dict[str, torch.Tensor]]
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each tile's detections moved to the picture's pixels, above ``score_thresh``, merged."""
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray | None]:
+        """Each tile's detections moved to the picture's pixels, above ``score_thresh``, merged; a keypoint model's
+        points follow each detection from the tile detection it comes from."""
         assert self.tiles is not None
         if any("masks" in out for out in outputs) and not self._warned_masks:
             self._warned_masks = True
-            logger.warning("Masks are not merged across tiles: tiled predictions have boxes only.")
+            logger.warning("Masks are not merged across tiles: tiled predictions have none.")
         tiles = self.tiles.grid(picture.height, picture.width)
         offsets = torch.zeros(len(outputs), 4)
         offsets[:len(tiles)] = torch.from_numpy(tiles[:, [0, 1, 0, 1]]).float()
@@ -331,10 +333,14 @@ class Predictor:
         labels = torch.cat([out["labels"].cpu() for out in outputs])
         tile_ids = torch.cat([torch.full((len(out["scores"]),), i if i < len(tiles) else -1)
                               for i, out in enumerate(outputs)])
+        points = _tile_keypoints(outputs, offsets)
         if self.score_thresh is not None:
             keep = scores >= self.score_thresh
             boxes, scores, labels, tile_ids = boxes[keep], scores[keep], labels[keep], tile_ids[keep]
-        return merge_tiles(self.tiles, boxes, scores, labels, tile_ids, tiles, (picture.height, picture.width))
+            points = None if points is None else points[keep.numpy()]
+        boxes, scores, labels, sources = merge_tiles(self.tiles, boxes, scores, labels, tile_ids, tiles,
+                                                     (picture.height, picture.width))
+        return boxes, scores, labels, None if points is None else points[sources.numpy()]
 
     def _detections(self, picture: Picture, boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor,
                     masks: torch.Tensor | None, keypoints: np.ndarray | None = None) -> Detections:
@@ -367,6 +373,17 @@ def _keypoints(output: dict[str, torch.Tensor]) -> np.ndarray | None:
     if "keypoints_scores" in output:
         points[..., 2] = output["keypoints_scores"].float().cpu().numpy()
     return points
+
+
+def _tile_keypoints(outputs: list[dict[str, torch.Tensor]], offsets: torch.Tensor) -> np.ndarray | None:
+    """Every tile's keypoints (as :func:`_keypoints`) moved to the picture's pixels by its tile's offset; None for
+    a model without keypoints."""
+    points = [_keypoints(out) for out in outputs]
+    if any(p is None for p in points):
+        return None
+    for p, offset in zip(points, offsets.numpy()):
+        p[..., :2] += offset[:2]
+    return np.concatenate(points)
 
 
 def _onnx_model(path: str) -> tuple[torch.nn.Module, list[dict[str, Any]] | None]:

@@ -314,10 +314,12 @@ def _components(count: int, pairs: torch.Tensor) -> list[list[int]]:
 
 def merge_seams(boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor, tile_ids: torch.Tensor,
                 tiles: torch.Tensor, size: tuple[int, int], *, iou: float = 0.5, ios: float = 0.5,
-                margin: float = 4.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The seam-aware merge of the module docstring; returns (boxes, scores, labels), best first."""
-    confirmed = ~_unconfirmed(boxes, scores, tile_ids, tiles)
-    boxes, scores, labels, tile_ids = boxes[confirmed], scores[confirmed], labels[confirmed], tile_ids[confirmed]
+                margin: float = 4.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The seam-aware merge of the module docstring; returns (boxes, scores, labels, sources), best first:
+    ``sources[i]`` is the input detection output i comes from (for pieces joined into one box, the most
+    confident piece), so that what else a detection carries (keypoints) can follow it."""
+    source = torch.nonzero(~_unconfirmed(boxes, scores, tile_ids, tiles)).flatten()
+    boxes, scores, labels, tile_ids = boxes[source], scores[source], labels[source], tile_ids[source]
     cut_sides = _cut_sides(boxes, tile_ids, tiles, size, margin)
     cut = cut_sides.any(dim=1)
     whole = torch.nonzero(~cut).flatten()
@@ -326,24 +328,22 @@ def merge_seams(boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor,
     pieces = torch.nonzero(cut).flatten()
     pieces = pieces[~_covered(boxes[pieces], cut_sides[pieces], tile_ids[pieces], boxes[whole], tile_ids[whole],
                               scores[whole], ios)]
-    out_boxes, out_scores, out_labels = [boxes[whole]], [scores[whole]], [labels[whole]]
+    out_boxes, kept = [boxes[whole]], [whole]
     if len(pieces):
-        b, s, lab, t, sides = boxes[pieces], scores[pieces], labels[pieces], tile_ids[pieces], cut_sides[pieces]
+        b, s, t, sides = boxes[pieces], scores[pieces], tile_ids[pieces], cut_sides[pieces]
         for group in _components(len(b), _seam_pairs(b, s, t, tiles, iou)):
-            best = group[int(torch.argmax(s[group]))]
             out_boxes.append(_joined_box(b[group], sides[group], s[group])[None])
-            out_scores.append(s[best:best + 1])
-            out_labels.append(lab[best:best + 1])
-    boxes, scores, labels = torch.cat(out_boxes), torch.cat(out_scores), torch.cat(out_labels)
-    keep = batched_nms(boxes, scores, labels, iou)  # sorted by decreasing score
-    return boxes[keep], scores[keep], labels[keep]
+            kept.append(pieces[group][torch.argmax(s[group])].reshape(1))
+    boxes, kept = torch.cat(out_boxes), torch.cat(kept)
+    keep = batched_nms(boxes, scores[kept], labels[kept], iou)  # sorted by decreasing score
+    return boxes[keep], scores[kept[keep]], labels[kept[keep]], source[kept[keep]]
 
 
 def greedy_nmm(boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor, *, ios: float = 0.5
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Greedy non-maximum merging (SAHI's GREEDYNMM, IOS, class-wise): the best remaining detection absorbs
     every remaining one of its class overlapping it by ``ios`` of the smaller box; the result is their
-    union with the best one's score."""
+    union with the best one's score; ``sources`` as :func:`merge_seams`' (the best one)."""
     order = torch.argsort(scores, descending=True, stable=True)
     boxes, scores, labels = boxes[order], scores[order], labels[order]
     area = box_area(boxes).clamp(min=1e-6)
@@ -361,16 +361,17 @@ def greedy_nmm(boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor, 
         merged.append(torch.cat([members[:, :2].min(dim=0).values, members[:, 2:].max(dim=0).values]))
         kept.append(i)
     if not kept:
-        return boxes, scores, labels
+        return boxes, scores, labels, order
     index = torch.tensor(kept)
-    return torch.stack(merged), scores[index], labels[index]
+    return torch.stack(merged), scores[index], labels[index], order[index]
 
 
 def nms_merge(boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor, *, iou: float = 0.5
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain class-wise NMS over every tile's detections (the baseline: pieces of cut objects survive)."""
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain class-wise NMS over every tile's detections (the baseline: pieces of cut objects survive);
+    ``sources`` as :func:`merge_seams`'."""
     keep = batched_nms(boxes, scores, labels, iou)
-    return boxes[keep], scores[keep], labels[keep]
+    return boxes[keep], scores[keep], labels[keep], keep
 
 
 MERGES = ("seam", "greedy_nmm", "nms")
@@ -378,9 +379,10 @@ MERGES = ("seam", "greedy_nmm", "nms")
 
 def merge_tiles(spec: TileSpec, boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor,
                 tile_ids: torch.Tensor, tiles: Sequence[Sequence[int]] | np.ndarray, size: tuple[int, int]
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every tile's detections (``boxes`` in image pixels, ``tile_ids[i]`` the row of ``tiles`` detection i
-    comes from, -1 for the whole-image pass) merged by ``spec.merge``; the ``spec.max_det`` best, best first."""
+    comes from, -1 for the whole-image pass) merged by ``spec.merge``; the ``spec.max_det`` best, best first, as
+    (boxes, scores, labels, sources): ``sources[i]``, the input detection output i comes from."""
     boxes, scores, labels = boxes.float(), scores.float(), labels.long()
     if spec.merge == "seam":
         merged = merge_seams(boxes, scores, labels, tile_ids, torch.as_tensor(np.asarray(tiles)), size,
@@ -390,4 +392,4 @@ def merge_tiles(spec: TileSpec, boxes: torch.Tensor, scores: torch.Tensor, label
     else:
         merged = nms_merge(boxes, scores, labels)
     order = torch.argsort(merged[1], descending=True, stable=True)[:spec.max_det]
-    return merged[0][order], merged[1][order], merged[2][order]
+    return merged[0][order], merged[1][order], merged[2][order], merged[3][order]

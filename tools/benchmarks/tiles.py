@@ -145,8 +145,8 @@ def pet_tiles(recorder: RecordingPredictor, picture: Scored) -> dict[str, tuple[
     merged, seconds = {}, {}
     for merge in MERGES:
         start = time.perf_counter()
-        boxes, scores, labels = merge_tiles(TileSpec(spec.size, spec.overlap, merge=merge, max_det=spec.max_det),
-                                            *recorder.recorded)
+        boxes, scores, labels, _ = merge_tiles(
+            TileSpec(spec.size, spec.overlap, merge=merge, max_det=spec.max_det), *recorder.recorded)
         seconds[merge] = time.perf_counter() - start
         merged[merge] = Detections(boxes=boxes.numpy(), scores=scores.numpy(), labels=labels.numpy(),
                                    names=[""] * len(scores), path="")
