@@ -10,6 +10,7 @@ import json
 import math
 import os
 
+import cv2
 import numpy as np
 import pytest
 import torch
@@ -20,8 +21,9 @@ from pet.data import get_dataset
 from pet.data.shapes_keypoints import generate_shapes_keypoints
 from pet.engine.inference import evaluate_on_datasets
 from pet.engine.trainer import Trainer
-from pet.evaluation import COCOEvaluator, evaluate_results_file
+from pet.evaluation import COCOEvaluator, VisualizationHook, evaluate_results_file
 from pet.evaluation.backends import KeypointTask, run_cocoeval
+from pet.evaluation.coco import masks_to_rle
 
 CORNERS = ["top_left", "top_right", "bottom_right", "bottom_left"]
 pytest.importorskip("faster_coco_eval")
@@ -155,3 +157,39 @@ def test_a_keypoint_rcnn_trains_on_the_shapes_corners_and_is_scored_on_them(tiny
     assert "keypoints/AP-circle" not in metrics  # circles have no points to score
     written = json.loads((tmp_path / "test" / "keypoints.json").read_text())
     assert all(len(d["keypoints"]) == 21 and d["category_id"] in (2, 3) for d in written)
+
+
+
+def _drawn(tmp_path, dataset, results):
+    """The hook's picture of image 1 (grey 128 where nothing is drawn), BGR."""
+    hook = VisualizationHook(str(tmp_path / "out"), num_images=1)
+    hook.before_test(data_loader=type("Loader", (), {"dataset": dataset})())
+    hook.after_test(results=results)
+    return cv2.imread(hook.written[0])
+
+
+def test_the_visualization_hook_draws_keypoints_joined_by_the_sets_skeleton(tmp_path):
+    """test_net's pictures show what was scored: a detection's points as dots joined by the set's skeleton (the
+    corner set's four edges); a blob without points is drawn as a box."""
+    corners = [[25, 15, 2.0], [55, 15, 1.0], [55, 45, 3.0], [25, 45, 0.5]]  # 5 px inside the box
+    drawn = _drawn(tmp_path, _corner_set(tmp_path, num_images=1), [
+        {"image_id": 1, "category_id": 1, "bbox": [20, 10, 40, 40], "score": 0.9,
+         "keypoints": [v for point in corners for v in point]},
+        {"image_id": 1, "category_id": 2, "bbox": [64, 39, 15, 17], "score": 0.8}])
+    assert all((drawn[y, x] != 128).any() for x, y, _ in corners)
+    assert (drawn[30, 25] != 128).any() and (drawn[45, 40] != 128).any()  # the left and bottom edges
+    assert (drawn[30, 40] == 128).all()  # inside the box, off the skeleton: nothing
+    assert (drawn[47, 64] != 128).any()  # the blob's box
+
+
+def test_the_visualization_hook_blends_in_each_detections_mask(tmp_path):
+    """A mask model's results: each detection's RLE mask (as the evaluator saves it) is blended into the picture;
+    the rest of its box is not."""
+    masks = np.zeros((2, 60, 80), np.uint8)
+    masks[0, 25:45, 30:55] = 1
+    masks[1, 40:55, 65:78] = 1
+    drawn = _drawn(tmp_path, _corner_set(tmp_path, num_images=1), [
+        {"image_id": 1, "category_id": c, "bbox": box, "score": 0.9, "segmentation": rle}
+        for c, box, rle in zip((1, 2), ([20, 10, 40, 40], [64, 39, 15, 17]), masks_to_rle(masks))])
+    assert (drawn[35, 40] != 128).any() and (drawn[47, 70] != 128).any()
+    assert (drawn[18, 25] == 128).all()  # in the first box, outside its mask

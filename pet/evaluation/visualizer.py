@@ -1,4 +1,5 @@
-"""Pictures of test results: detections (class, score) drawn over the ground truth."""
+"""Pictures of test results: detections (class, score, and a mask or keypoints model's masks and points) drawn over
+the ground truth."""
 from __future__ import annotations
 
 import logging
@@ -7,6 +8,7 @@ from typing import Any
 
 import cv2
 import numpy as np
+from pycocotools import mask as mask_util
 
 from pet.data import read_image
 from pet.engine.hooks import HOOKS, TestCallback
@@ -23,7 +25,8 @@ class VisualizationHook(TestCallback):
     """After the test, write the first ``num_images`` test images with their detections to ``CKPT/test/vis/``.
 
     Ground truth is drawn in thin white, detections scoring at least ``score_thresh`` in a
-    colour per class with ``class score``. It reads the saved COCO results, not the model's
+    colour per class with ``class score``, their masks blended in and their keypoints as dots joined by the
+    set's skeleton when the results have them. It reads the saved COCO results, not the model's
     raw outputs, so a picture shows exactly what was scored. ``tools/test_net.py --vis N``
     adds it; in YAML: ``TEST.HOOKS: [{type: VisualizationHook, num_images: 8}]``. (Before 0.2.0 it was
     called ``DetectionVisualizer``; that name still works, with a warning, until 0.3.0.)
@@ -61,6 +64,9 @@ class VisualizationHook(TestCallback):
                 [names[d["category_id"]] for d in dets],
                 [d["score"] for d in dets],
                 gt_boxes=_xywh_to_xyxy(gt),
+                masks=_masks(dets),
+                keypoints=_keypoints(dets),
+                skeleton=self.dataset.keypoint_meta.skeleton if getattr(self.dataset, "keypoint_meta", None) else (),
             )
             path = os.path.join(self.vis_dir, f"{os.path.splitext(os.path.basename(info['file_name']))[0]}.png")
             cv2.imwrite(path, cv2.cvtColor(canvas, cv2.COLOR_RGB2BGR))
@@ -75,3 +81,20 @@ def _xywh_to_xyxy(boxes: list[list[float]]) -> np.ndarray:
     array = np.asarray(boxes, dtype=np.float32).reshape(-1, 4)
     array[:, 2:] += array[:, :2]
     return array
+
+
+def _masks(dets: list[dict[str, Any]]) -> np.ndarray | None:
+    """The detections' RLE ``segmentation`` decoded to [N, H, W]; None unless every one has a mask."""
+    if not dets or any("segmentation" not in d for d in dets):
+        return None
+    return np.stack([mask_util.decode(d["segmentation"]) for d in dets])
+
+
+def _keypoints(dets: list[dict[str, Any]]) -> np.ndarray | None:
+    """The detections' flat ``keypoints`` (x, y, score, ...) as [N, K, 3], zeros (not drawn) for a detection
+    without them; None when none has them."""
+    points = [None if "keypoints" not in d else np.asarray(d["keypoints"], np.float32).reshape(-1, 3) for d in dets]
+    shape = next((p.shape for p in points if p is not None), None)
+    if shape is None:
+        return None
+    return np.stack([np.zeros(shape, np.float32) if p is None else p for p in points])
