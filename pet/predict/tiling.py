@@ -169,43 +169,30 @@ def _unconfirmed(boxes: torch.Tensor, scores: torch.Tensor, tile_ids: torch.Tens
     return unconfirmed
 
 
-def _other_views(boxes: torch.Tensor, scores: torch.Tensor, tile_ids: torch.Tensor, tiles: torch.Tensor,
-                 size: tuple[int, int]) -> torch.Tensor:
+def _other_views(boxes: torch.Tensor, scores: torch.Tensor, tile_ids: torch.Tensor, context: torch.Tensor
+                 ) -> torch.Tensor:
     """Whether each whole detection is another tile's view of an object some tile sees with more context around
     it (step 1 of the module docstring): among detections scoring ``_CONFIRM_SCORE`` or more, those of different
     tiles with IoU >= ``_SAME_OBJECT`` are one object, transitively; the tile whose member lies farthest from its
-    inner edges keeps its members, the other tiles' are marked. The whole-image pass (tile -1) sees objects at
-    another scale, not as another tile: it takes no part."""
+    inner edges (``context``, px) keeps its members, the other tiles' are marked. The whole-image pass (tile -1)
+    sees objects at another scale, not as another tile: it takes no part."""
     other = torch.zeros(len(boxes), dtype=torch.bool)
     judged = torch.nonzero((scores >= _CONFIRM_SCORE) & (tile_ids >= 0)).flatten()
     if len(judged) < 2:
         return other
-    b, t = boxes[judged], tile_ids[judged]
+    b, t, context = boxes[judged], tile_ids[judged], context[judged]
     pairs = []
     for i in range(0, len(b), _BLOCK):
         same = (box_iou(b[i:i + _BLOCK], b) >= _SAME_OBJECT) & (t[i:i + _BLOCK, None] != t[None])
         found = torch.nonzero(same)
         found[:, 0] += i
         pairs.append(found[found[:, 0] < found[:, 1]])
-    context = _context(b, t, tiles, size)
     for group in _components(len(b), torch.cat(pairs)):
         if len(group) > 1:
             members = torch.tensor(group)
             view = t[members[torch.argmax(context[members])]]
             other[judged[members[t[members] != view]]] = True
     return other
-
-
-def _context(boxes: torch.Tensor, tile_ids: torch.Tensor, tiles: torch.Tensor, size: tuple[int, int]
-             ) -> torch.Tensor:
-    """How far each detection lies from the nearest inner edge of its tile, in px (the image border is no cut)."""
-    height, width = size
-    t = tiles[tile_ids].to(boxes.dtype)
-    far = torch.tensor(float(max(height, width)))
-    return torch.stack([torch.where(t[:, 0] > 0, boxes[:, 0] - t[:, 0], far),
-                        torch.where(t[:, 1] > 0, boxes[:, 1] - t[:, 1], far),
-                        torch.where(t[:, 2] < width, t[:, 2] - boxes[:, 2], far),
-                        torch.where(t[:, 3] < height, t[:, 3] - boxes[:, 3], far)], dim=1).min(dim=1).values
 
 
 def _covered(pieces: torch.Tensor, piece_cut: torch.Tensor, piece_tiles: torch.Tensor, whole: torch.Tensor,
@@ -266,28 +253,30 @@ def _seam_pairs(boxes: torch.Tensor, scores: torch.Tensor, tile_ids: torch.Tenso
     return pairs[agree]
 
 
-def _cut_sides(boxes: torch.Tensor, tile_ids: torch.Tensor, tiles: torch.Tensor, size: tuple[int, int],
-               margin: float) -> torch.Tensor:
-    """[N, 4] bool: whether each side (x0, y0, x1, y1) of each detection reaches an inner edge of its tile (a tile
-    edge that is not the image border)."""
+def _edge_distances(boxes: torch.Tensor, tile_ids: torch.Tensor, tiles: torch.Tensor, size: tuple[int, int]
+                    ) -> torch.Tensor:
+    """[N, 4]: how far each side (x0, y0, x1, y1) of each detection lies inside the matching edge of its tile, in
+    px; infinite where that edge is the image border (no cut there) and for the whole-image pass (tile -1)."""
     height, width = size
-    cut = torch.zeros(len(boxes), 4, dtype=torch.bool)
-    from_tile = tile_ids >= 0  # -1: the whole-image pass, never cut
-    if not from_tile.any():
-        return cut
+    distances = torch.full((len(boxes), 4), float("inf"))
+    from_tile = tile_ids >= 0
     t = tiles[tile_ids[from_tile]].to(boxes.dtype)
     b = boxes[from_tile]
-    cut[from_tile] = torch.stack([(t[:, 0] > 0) & (b[:, 0] <= t[:, 0] + margin),
-                                  (t[:, 1] > 0) & (b[:, 1] <= t[:, 1] + margin),
-                                  (t[:, 2] < width) & (b[:, 2] >= t[:, 2] - margin),
-                                  (t[:, 3] < height) & (b[:, 3] >= t[:, 3] - margin)], dim=1)
-    return cut
+    inner = torch.stack([t[:, 0] > 0, t[:, 1] > 0, t[:, 2] < width, t[:, 3] < height], dim=1)
+    inside = torch.cat([b[:, :2] - t[:, :2], t[:, 2:] - b[:, 2:]], dim=1)
+    distances[from_tile] = torch.where(inner, inside, float("inf"))
+    return distances
+
+
+def _enclosing(boxes: torch.Tensor) -> torch.Tensor:
+    """The smallest XYXY box holding every one of ``boxes``."""
+    return torch.cat([boxes[:, :2].min(dim=0).values, boxes[:, 2:].max(dim=0).values])
 
 
 def _joined_box(members: torch.Tensor, member_cut: torch.Tensor, member_scores: torch.Tensor) -> torch.Tensor:
     """One box from the pieces of an object: each side from the most confident piece that sees it uncut, or the
     outermost where every piece is cut there (step 3 of the module docstring)."""
-    outermost = torch.cat([members[:, :2].min(dim=0).values, members[:, 2:].max(dim=0).values])
+    outermost = _enclosing(members)
     uncut_scores = torch.where(member_cut, -1.0, member_scores[:, None])  # [K, 4]
     best = uncut_scores.argmax(dim=0)
     seen = (~member_cut).any(dim=0)
@@ -320,10 +309,11 @@ def merge_seams(boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor,
     confident piece), so that what else a detection carries (keypoints) can follow it."""
     source = torch.nonzero(~_unconfirmed(boxes, scores, tile_ids, tiles)).flatten()
     boxes, scores, labels, tile_ids = boxes[source], scores[source], labels[source], tile_ids[source]
-    cut_sides = _cut_sides(boxes, tile_ids, tiles, size, margin)
+    distances = _edge_distances(boxes, tile_ids, tiles, size)
+    cut_sides = distances <= margin
     cut = cut_sides.any(dim=1)
     whole = torch.nonzero(~cut).flatten()
-    whole = whole[~_other_views(boxes[whole], scores[whole], tile_ids[whole], tiles, size)]
+    whole = whole[~_other_views(boxes[whole], scores[whole], tile_ids[whole], distances[whole].min(dim=1).values)]
     whole = whole[batched_nms(boxes[whole], scores[whole], labels[whole], iou)]
     pieces = torch.nonzero(cut).flatten()
     pieces = pieces[~_covered(boxes[pieces], cut_sides[pieces], tile_ids[pieces], boxes[whole], tile_ids[whole],
@@ -358,7 +348,7 @@ def greedy_nmm(boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor, 
         group = candidates[inter / torch.min(area[i], area[candidates]) >= ios]
         free[group] = False
         members = torch.cat([boxes[i:i + 1], boxes[group]])
-        merged.append(torch.cat([members[:, :2].min(dim=0).values, members[:, 2:].max(dim=0).values]))
+        merged.append(_enclosing(members))
         kept.append(i)
     if not kept:
         return boxes, scores, labels, order

@@ -56,7 +56,8 @@ class RTDETR(nn.Module):
         if divisibility <= 0 or divisibility % self.size_multiple:
             raise ConfigError(f"RT-DETR needs INPUT.SIZE_DIVISIBILITY a multiple of {self.size_multiple}, got "
                               f"{divisibility}: its encoder doubles the stride-32 map onto the stride-16 one, so "
-                              f"every padded batch must divide by 32. Set INPUT.SIZE_DIVISIBILITY 32.")
+                              f"every padded batch must divide by {self.size_multiple}. Set INPUT.SIZE_DIVISIBILITY "
+                              f"{self.size_multiple}.")
         self.num_classes = cfg.MODEL.NUM_CLASSES
         self.detections_per_img = node.DETECTIONS_PER_IMAGE  # the other detectors' name, which pet.deploy reads
         self.score_thresh = node.SCORE_THRESH_TEST
