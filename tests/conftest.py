@@ -23,21 +23,24 @@ from pet.data import generate_shapes
 from pet.engine.hooks import Priority, TrainHook
 from pet.engine.trainer import Trainer
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-torch.set_num_threads(1)
+# Tests run one thread each; PET_TEST_THREADS gives them more, which changes the order in which every kernel adds
+# (the foreign-CPU pass of .ci/run uses it: docs/design.md#the-test-suite).
+THREADS = int(os.environ.get("PET_TEST_THREADS", "1"))
+os.environ["OMP_NUM_THREADS"] = str(THREADS)
+torch.set_num_threads(THREADS)
 # Precision decisions measured during the suite (pet.engine.speed_probe) go to a folder of this session, shared by
 # the tools it runs: the suite neither reads nor writes the user's ~/.cache/pet.
 os.environ["PET_CACHE_DIR"] = tempfile.mkdtemp(prefix="pet-cache-")
 
 
-# Tests run one thread each (above), so pytest.ini's ``-n auto`` runs one xdist worker per core. Past 4 workers the
+# pytest.ini's ``-n auto`` runs one xdist worker per THREADS cores (one per core by default). Past 4 workers the
 # suite's few long files set the pace and every worker adds its own copy of the session fixtures and ~2 GB.
 MAX_WORKERS = 4
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(MAX_WORKERS, cores))
+    return max(1, min(MAX_WORKERS, cores // THREADS))
 
 
 # The files that take longest, longest first (CPU seconds of a quiet run on 2 cores): pytest.ini hands xdist's

@@ -16,12 +16,14 @@ import os
 import pytest
 import torch
 from helpers import CFGS
+from parity import Tolerance, match_detections
 
 from pet.config import load_cfg
 from pet.modeling import build_model
 from pet.modeling.rtdetr.weights import convert_transformers_state_dict
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.numeric
 
 HEIGHT, WIDTH = 128, 160
 NUM_LABELS = 7
@@ -96,6 +98,13 @@ def pet_targets(batch: int) -> list[dict]:
 
 
 def test_same_logits_boxes_and_detections(pair):
+    """Logits and boxes equal at every query; the detections equal once paired one to one.
+
+    The detections are the top 300 of 100 queries x 7 classes: near-tied scores (a few ulps apart, the two sides
+    adding in different orders) may leave the top-k in either order, and on some CPUs do (a real AVX2 AMD EPYC,
+    and ``ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41``: 442 of 1,200 coordinates apart by index). So
+    they are paired by label, score and box (:func:`parity.match_detections`), and only a detection whose score
+    is a near-tie at the other side's cut-off may go unpaired."""
     _, _, reference, pet = pair
     pixels = images()
     with torch.no_grad():
@@ -108,14 +117,16 @@ def test_same_logits_boxes_and_detections(pair):
     processor = transformers.RTDetrImageProcessor()
     reference_detections = processor.post_process_object_detection(expected, threshold=0.0,
                                                                    target_sizes=[(HEIGHT, WIDTH)] * 2)
+    tolerance = Tolerance(box=TOLERANCE * WIDTH, score=TOLERANCE)
     for ours, theirs in zip(detections, reference_detections):
         assert len(ours["scores"]) == len(theirs["scores"]) == 300
-        torch.testing.assert_close(ours["scores"], theirs["scores"], atol=TOLERANCE, rtol=0)
-        assert torch.equal(ours["labels"], theirs["labels"] + 1)  # Pet's labels are 1..K
         clipped = theirs["boxes"].clone()
         clipped[:, 0::2] = clipped[:, 0::2].clamp(0, WIDTH)
         clipped[:, 1::2] = clipped[:, 1::2].clamp(0, HEIGHT)
-        torch.testing.assert_close(ours["boxes"], clipped, atol=TOLERANCE * WIDTH, rtol=0)
+        # Pet's labels are 1..K
+        pairs = match_detections(ours, {**theirs, "boxes": clipped, "labels": theirs["labels"] + 1}, tolerance,
+                                 score_thresh=0.0, capped=True)
+        assert len(pairs) >= 295  # a handful at most tie at the 300th score
 
 
 def objects(seed: int) -> list[dict]:
