@@ -445,6 +445,11 @@ def match_detections(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tens
     return pairs
 
 
+def detection_tensors(detections: Any) -> dict[str, torch.Tensor]:
+    """A Predictor's ``Detections`` (numpy arrays) as the tensors :func:`match_detections` pairs."""
+    return {name: torch.as_tensor(getattr(detections, name)) for name in ("boxes", "scores", "labels")}
+
+
 def assert_same_detections(ours: list[dict[str, torch.Tensor]], theirs: list[dict[str, torch.Tensor]],
                            tol: Tolerance, score_thresh: float, capped: list[bool]) -> dict[str, float]:
     """Per image, :func:`match_detections` and, for matched pairs, masks of IoU >= ``tol.mask_iou`` and keypoints
@@ -480,8 +485,9 @@ def assert_same_detections(ours: list[dict[str, torch.Tensor]], theirs: list[dic
 
 # Measured on the parity models: Pet's detections are bit-identical to torchvision's run channels-last (float32, as
 # shipped), on every CPU class tried (Intel AVX-512 with AMX, and oneDNN capped to AVX512_CORE_BF16, AVX512_CORE,
-# AVX2). Against torchvision's default (contiguous) run the convolutions add in another order, so float32 puts
-# them up to 2.6e-3 px and 2.3e-5 in score apart (2.6e-3 px under the AVX2 cap and on an AMD machine, 2.3e-5 on
+# AVX2; and the numeric tests' pass as on another CPU, SSE4.1 with ATen's vectorised kernels off, on 2 threads).
+# Against torchvision's default (contiguous) run the convolutions add in another order, so float32 puts them up to
+# 2.6e-3 px and 2.3e-5 in score apart (2.6e-3 px under the AVX2 cap and on an AMD machine, 2.3e-5 on
 # the Intel part, where the old tolerance of 5e-5 had twice that): an amount set by the CPU's kernels, not by Pet.
 # So that comparison runs in float64, where the same orders leave 4.3e-12 px and 6.4e-14 in score (measured on the
 # Intel part and under the caps; about the float32 differences x 2^-29): the tolerances below leave a factor of

@@ -32,6 +32,7 @@ def _weights_after_one_iteration(make_cfg, tmp_path, batch_size: int, accum_step
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("batch_size, accum_steps", [(1, 4), (2, 2)])
 def test_accumulated_batches_give_the_weights_of_one_large_batch(make_cfg, tmp_path, batch_size, accum_steps):
     large = _weights_after_one_iteration(make_cfg, tmp_path, 4, 1)
@@ -87,6 +88,7 @@ def _ddp_accumulation_worker(rank, init_file):
     return rank, len(all_reduces), {name: value.tolist() for name, value in model.state_dict().items()}
 
 
+@pytest.mark.numeric
 def test_two_processes_accumulating_give_one_large_batch_with_one_all_reduce_per_iteration(tmp_path):
     """2 processes x 2 accumulated batches of 1 image = one batch of 4: DDP all-reduces once (no_sync on the first)."""
     x, y = _images(4)

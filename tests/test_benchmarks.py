@@ -24,6 +24,7 @@ def test_each_benchmark_pair_holds_the_same_weights(arch, monkeypatch):
     assert all(torch.equal(ours[name], theirs[name]) for name in ours)
 
 
+@pytest.mark.numeric
 def test_the_rtdetr_pair_holds_the_same_weights():
     """tools/benchmark.py rtdetr: Pet's RT-DETR and transformers' give the same top scores on the same pixels."""
     pytest.importorskip("transformers")

@@ -80,6 +80,7 @@ def test_stage_lists_of_different_lengths_and_a_mask_model_without_masks_are_one
 
 
 # ------------------------------------------------------------------------------------------------ the cascade
+@pytest.mark.numeric
 def test_one_roi_through_the_three_stages_gives_the_hand_computed_box_and_mean_score():
     """Every predictor's weights zero, its biases chosen: stage outputs no longer depend on the features.
 
@@ -113,6 +114,7 @@ def test_one_roi_through_the_three_stages_gives_the_hand_computed_box_and_mean_s
     torch.testing.assert_close(graph_scores, torch.tensor([[0.95 / 3, 2.05 / 3]]), rtol=0, atol=1e-6)
 
 
+@pytest.mark.numeric
 def test_each_stage_labels_at_its_own_iou_and_encodes_with_its_own_weights():
     """Boxes of IoU 0.55 and 0.65 with a ground-truth box: foreground at 0.5, only the 0.65 one at 0.6, neither at
     0.7. The regression target of (0, 0, 100, 65) for (0, 0, 100, 100): dy = (50 - 32.5) / 65 and dh = ln(100 / 65),
@@ -158,6 +160,7 @@ def test_a_later_stages_loss_gives_no_gradient_to_earlier_stages_through_its_pro
                 assert all(g is not None for g in grads) == (k == stage), (stage, k)
 
 
+@pytest.mark.numeric
 def test_each_stage_scales_its_gradient_into_the_shared_features_by_one_over_the_stages():
     heads = tiny().roi_heads
     base = features_of(tiny(), (128, 128))

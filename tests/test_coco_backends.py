@@ -95,6 +95,7 @@ CASES = ["demo", "other_seed", "tied_scores", "crowd", "images_and_a_class_witho
          "coco_like_area_ranges"]
 
 
+@pytest.mark.numeric
 @needs_faster
 @pytest.mark.parametrize("task", TASKS)
 @pytest.mark.parametrize("case", CASES)
@@ -124,6 +125,7 @@ def test_the_cases_test_what_they_say(evaluations):
     assert any(a["iscrowd"] and isinstance(a["segmentation"]["counts"], list) for a in coco_like)  # uncompressed RLE
 
 
+@pytest.mark.numeric
 @needs_faster
 def test_the_evaluator_gives_the_same_metrics_with_either_backend(shapes_gt):
     """Through COCOEvaluator, per-class AP included."""

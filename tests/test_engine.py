@@ -243,6 +243,7 @@ def test_warmup_rises_linearly(make_cfg):
     assert lrs[:5] == [0.2, 0.4, 0.6, 0.8, 1.0]
 
 
+@pytest.mark.numeric
 def test_precise_bn_recomputes_population_statistics(make_cfg):
     model = ToyModel(with_bn=True)
     loader = ToyLoader(num_batches=4, batch_size=64, offset=5.0)

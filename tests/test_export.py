@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import cv2
@@ -23,6 +24,7 @@ import onnx
 import pytest
 import torch
 from helpers import CFGS, custom_datasets, run_tool_captured, run_tool_here
+from parity import Tolerance, detection_tensors, match_detections
 from torchvision.ops import FrozenBatchNorm2d
 
 from pet.config import load_cfg
@@ -130,20 +132,38 @@ def pytorch_model(cfg_file: str, opts: list[str], weights: str) -> torch.nn.Modu
     return model
 
 
+class Exports(Mapping[str, Export]):
+    """Each architecture exported by tools/export.py when first asked for (the numeric tests, run alone, need only
+    Faster R-CNN's: an export is ~25 s of CPU)."""
+
+    def __init__(self, root, shapes_root: str) -> None:
+        self.root, self.found = root, {}
+        self.data = ["DATA.CUSTOM", custom_datasets(("export_val", f"{shapes_root}/annotations/val.json",
+                                                     f"{shapes_root}/val")),
+                     "TEST.DATASETS", "('export_val',)", "CKPT", str(root / "ckpt")]
+
+    def __getitem__(self, arch: str) -> Export:
+        if arch not in self.found:
+            spec = ARCHS[arch]
+            cfg_file, weights = os.path.join(CFGS, "shapes", spec.config), str(self.root / f"{arch}.pth")
+            opts = tiny_model(arch, cfg_file, [*spec.opts, *self.data], weights)
+            onnx_file = str(self.root / f"{arch}.onnx")
+            run = run_tool_captured("export.py", "--cfg", cfg_file, "--weights", weights, "--output", onnx_file,
+                                    *opts)
+            self.found[arch] = Export(cfg_file, opts, weights, pytorch_model(cfg_file, opts, weights), onnx_file, run)
+        return self.found[arch]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(ARCHS)
+
+    def __len__(self) -> int:
+        return len(ARCHS)
+
+
 @pytest.fixture(scope="module")
-def exports(tmp_path_factory, shapes_root) -> dict[str, Export]:
-    """Every architecture exported by tools/export.py."""
-    root = tmp_path_factory.mktemp("export")
-    data = ["DATA.CUSTOM", custom_datasets(("export_val", f"{shapes_root}/annotations/val.json", f"{shapes_root}/val")),
-            "TEST.DATASETS", "('export_val',)", "CKPT", str(root / "ckpt")]
-    found = {}
-    for arch, spec in ARCHS.items():
-        cfg_file, weights = os.path.join(CFGS, "shapes", spec.config), str(root / f"{arch}.pth")
-        opts = tiny_model(arch, cfg_file, [*spec.opts, *data], weights)
-        onnx_file = str(root / f"{arch}.onnx")
-        run = run_tool_captured("export.py", "--cfg", cfg_file, "--weights", weights, "--output", onnx_file, *opts)
-        found[arch] = Export(cfg_file, opts, weights, pytorch_model(cfg_file, opts, weights), onnx_file, run)
-    return found
+def exports(tmp_path_factory, shapes_root) -> Exports:
+    """Every architecture exported by tools/export.py (each when a test first asks for it)."""
+    return Exports(tmp_path_factory.mktemp("export"), shapes_root)
 
 
 def test_tools_export_writes_a_graph_with_dynamic_batch_and_size_and_its_parity_gate_passes(exports):
@@ -169,7 +189,9 @@ def _val_batch(cfg, shapes_root: str, indices: list[int], scale: float = 1.0):
     return collate_batch(samples, cfg.INPUT.SIZE_DIVISIBILITY)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+# Numeric for Faster R-CNN only: each architecture is one more export (~25 s of CPU) in the numeric pass.
+@pytest.mark.parametrize("arch", [pytest.param(arch, marks=pytest.mark.numeric) if arch == "faster_rcnn" else arch
+                                  for arch in ARCHS])
 def test_onnxruntime_gives_the_pytorch_detections_at_two_sizes_in_batches_of_two(exports, shapes_root, arch):
     export = exports[arch]
     cfg = load_cfg(export.cfg_file, export.opts)
@@ -200,6 +222,7 @@ class _Shifted:
 STATED_TOLERANCE = {"box": 1e-3, "score": 1e-4}
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("factor, passes", [(0.9, True), (1.1, False)])
 @pytest.mark.parametrize("what", ["box", "score"])
 def test_the_gate_holds_its_stated_box_and_score_tolerances(exports, shapes_root, what, factor, passes):
@@ -218,6 +241,53 @@ def test_the_gate_holds_its_stated_box_and_score_tolerances(exports, shapes_root
     else:
         with pytest.raises(ParityError, match="disagrees with the PyTorch model"):
             check_parity(export.model, shifted, batches)
+
+
+class _Fixed(torch.nn.Module):
+    """A detector giving fixed detections (in the network input's pixels, the original image's here), with the
+    score threshold and per-image cap the gate reads."""
+
+    score_thresh, detections_per_img = 0.5, 100
+
+    def __init__(self, detections: list[dict[str, torch.Tensor]]) -> None:
+        super().__init__()
+        self.detections = detections
+
+    def forward(self, images, targets):
+        return [dict(d) for d in self.detections]
+
+    def network_detections(self, images, targets):  # as OnnxRuntimeModel's
+        return self(images, targets)
+
+
+def _detections(*rows: tuple[float, float]) -> dict[str, torch.Tensor]:
+    """(x0, score) rows: 20 px boxes of label 1 along a row, by decreasing score."""
+    return {"boxes": torch.tensor([[x0, 10.0, x0 + 20, 30.0] for x0, _ in rows]).reshape(-1, 4),
+            "scores": torch.tensor([score for _, score in rows]), "labels": torch.ones(len(rows), dtype=torch.int64)}
+
+
+@pytest.mark.parametrize("pytorch, onnxruntime, problem", [
+    # A detection scoring within the score tolerance of the threshold, kept by one side alone: a near-tie.
+    ([(0, 0.9), (40, 0.50004)], [(0, 0.9)], None),
+    ([(0, 0.9)], [(0, 0.9), (40, 0.49996)], None),
+    # Anything else one side alone keeps is a disagreement, whichever side it is.
+    ([(0, 0.9), (40, 0.7)], [(0, 0.9)], "detection 1 .* has no onnxruntime counterpart"),
+    ([(0, 0.9)], [(0, 0.9), (40, 0.7)], r"onnxruntime's detection 1 .* has no PyTorch counterpart \(1 detections "
+                                        r"in PyTorch, 2 in onnxruntime\)"),
+    ([(0, 0.9), (40, 0.50004)], [(0, 0.9), (40, 0.50004), (80, 0.50102)], "has no PyTorch counterpart"),
+])
+def test_a_detection_only_one_side_keeps_passes_only_as_a_near_tie_at_the_threshold(pytorch, onnxruntime, problem):
+    """The gate's counts may differ where a score lies within rounding of the threshold (which side keeps it
+    depends on the CPU's kernels), and only there."""
+    batch = (torch.zeros(1, 3, 64, 128, dtype=torch.uint8),
+             [{"image_id": 1, "image_size": (64, 128), "orig_size": (64, 128)}])
+    model, exported = _Fixed([_detections(*pytorch)]), _Fixed([_detections(*onnxruntime)])
+    exported.path = "model.onnx"
+    if problem is None:
+        assert check_parity(model, exported, [batch]).detections == len(pytorch)
+    else:
+        with pytest.raises(ParityError, match=problem):
+            check_parity(model, exported, [batch])
 
 
 def test_the_gate_runs_two_images_one_image_and_a_blank_image(exports):
@@ -395,6 +465,7 @@ def test_an_operation_without_an_onnx_translation_is_named_with_the_module_calli
     assert "operation pet_export_test::double" in message and "test_export.py" in message
 
 
+@pytest.mark.numeric
 def test_predict_runs_the_export_with_the_class_names_it_records(exports, shapes_root):
     """tools/export.py records the label space (here the fallback: TEST.DATASETS[0]'s categories, as the weights
     are a plain state_dict); the onnxruntime Predictor names its detections with it and gives the float32
@@ -407,17 +478,15 @@ def test_predict_runs_the_export_with_the_class_names_it_records(exports, shapes
     cfg = load_cfg(export.cfg_file, [*export.opts, "DEVICE", "cpu", "TEST.AMP.ENABLED", "False"])
     exported = Predictor(cfg, export.onnx_file, backend="onnxruntime")
     pytorch = Predictor(cfg, model=export.model, label_space=exported.label_space)
-    pairs = list(zip(exported.stream(f"{shapes_root}/val", 2), pytorch.stream(f"{shapes_root}/val", 2)))
-    assert len(pairs) == 6 and sum(len(ref) for _, ref in pairs) > 0
-    for ours, ref in pairs:
-        assert len(ours) == len(ref) and ours.names == ref.names
-        tolerance = 1e-3 * max(ref.height, ref.width)
-        free = list(range(len(ours)))
-        for i in range(len(ref)):  # greedy pairing in score order: near-ties may swap places
-            match = next(j for j in free if ours.labels[j] == ref.labels[i]
-                         and abs(ours.scores[j] - ref.scores[i]) <= 1e-4
-                         and np.abs(ours.boxes[j] - ref.boxes[i]).max() <= tolerance)
-            free.remove(match)
+    pictures = list(zip(exported.stream(f"{shapes_root}/val", 2), pytorch.stream(f"{shapes_root}/val", 2)))
+    assert len(pictures) == 6 and sum(len(ref) for _, ref in pictures) > 0
+    heads = export.model.roi_heads
+    for ours, ref in pictures:
+        # Paired one to one (near-ties may swap places, or fall either side of the threshold or the cap).
+        pairs = match_detections(*(detection_tensors(d) for d in (ref, ours)),
+                                 Tolerance(box=1e-3 * max(ref.height, ref.width), score=1e-4),
+                                 heads.score_thresh, capped=len(ref) == heads.detections_per_img)
+        assert all(ours.names[j] == ref.names[i] for i, j in pairs)
 
 
 def test_predict_says_once_that_an_export_cannot_go_below_its_own_score_threshold(exports, shapes_root, tmp_path,

@@ -72,6 +72,7 @@ def _detections(dataset, seed=1, noise=1.5):
     return results
 
 
+@pytest.mark.numeric
 def test_both_backends_give_the_same_keypoint_ap(tmp_path):
     dataset = _corner_set(tmp_path)
     results = _detections(dataset)

@@ -23,6 +23,7 @@ DEMO_CFG = os.path.join(CFGS, "shapes", "mask_rcnn_R-18-FPN.yaml")
 LOSSES = {"loss_objectness", "loss_rpn_box_reg", "loss_classifier", "loss_box_reg", "loss_mask"}
 
 
+@pytest.mark.numeric
 def test_mask_rcnn_inference_parity_with_torchvision():
     """torchvision's maskrcnn_resnet50_fpn weights give torchvision's detections and masks (IoU >= 0.99 each): the
     same as its model run channels-last, and torchvision's default run in float64 up to its memory format's rounding
@@ -30,6 +31,8 @@ def test_mask_rcnn_inference_parity_with_torchvision():
     check_inference_parity("mask_rcnn")
 
 
+# Not in the numeric group (.ci/run's pass as on another CPU): ~12 s of 2 cores there, for what Faster R-CNN's
+# training parity and Mask R-CNN's inference parity already compare.
 def test_mask_rcnn_training_parity_with_torchvision():
     """The same losses (loss_mask included) and gradients as torchvision's model for the same weights, batch and
     sampling (tests/parity.py)."""
@@ -163,6 +166,7 @@ def test_a_mask_of_the_wrong_size_is_a_clear_error(val_dataset, tmp_path):
         evaluate_results_file(val_dataset, str(wrong))
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("count", [0, 1, 37])
 def test_pasted_masks_are_torchvisions_pasted_masks_thresholded(count):
     """Pet pastes each mask only inside its box, straight into uint8; the pixels must be exactly those of

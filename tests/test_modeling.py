@@ -123,12 +123,14 @@ def test_r50_config_freezes_what_torchvision_freezes():
     assert isinstance(model.backbone.body.layer4[0].bn1, FrozenBatchNorm2d)
 
 
+@pytest.mark.numeric
 def test_faster_rcnn_inference_parity_with_torchvision():
     """torchvision's fasterrcnn_resnet50_fpn weights give torchvision's detections: the same as its model run
     channels-last, and torchvision's default run in float64 up to its memory format's rounding (tests/parity.py)."""
     check_inference_parity("faster_rcnn")
 
 
+@pytest.mark.numeric
 def test_faster_rcnn_training_parity_with_torchvision():
     """The same losses and gradients as torchvision's model for the same weights, batch and sampling
     (tests/parity.py)."""

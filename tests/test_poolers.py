@@ -118,6 +118,7 @@ def _sparse_and_torchvision(features, rois, output_size, scale, ratio):
     return ours, ref
 
 
+@pytest.mark.numeric
 @LAYOUTS
 @pytest.mark.parametrize("scale", [0.25, 0.125])
 @pytest.mark.parametrize("num_rois", [0, 60])
@@ -132,6 +133,7 @@ def test_sparse_roi_align_matches_torchvision_values_and_gradients(channels_last
     _assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.numeric
 @LAYOUTS
 @pytest.mark.parametrize("output_size", [(7, 7), (14, 14)], ids=["7x7", "14x14"])  # box head, mask head
 @pytest.mark.parametrize("ratio", [1, 2])
@@ -154,6 +156,7 @@ def test_sparse_roi_align_rejects_adaptive_sampling(ratio):
         roi_align_sparse(torch.randn(1, 4, 16, 16), torch.tensor([[0.0, 1.0, 2.0, 30.0, 40.0]]), (7, 7), 0.25, ratio)
 
 
+@pytest.mark.numeric
 @LAYOUTS
 @pytest.mark.parametrize("ratio", [1, 2])
 @pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "bf16_autocast"])
@@ -188,6 +191,7 @@ def _multiscale_inputs(channels_last: bool, dtype: torch.dtype = torch.float32):
     return features, boxes, [(192, 256)] * 2
 
 
+@pytest.mark.numeric
 @LAYOUTS
 @pytest.mark.parametrize("output_size", [7, 14])
 @pytest.mark.parametrize("sampling_ratio", [1, 2, 0])  # 0 (adaptive): torchvision's kernel itself
@@ -214,6 +218,7 @@ def test_multiscale_pooling_matches_torchvision_on_every_level_forward_and_backw
     assert all(grad.abs().sum() > 0 for grad in training[1].values())
 
 
+@pytest.mark.numeric
 @LAYOUTS
 @pytest.mark.parametrize("sampling_ratio", [1, 2])
 def test_single_level_pooling_matches_torchvision_including_inverted_boxes(sampling_ratio, channels_last):
@@ -230,6 +235,7 @@ def test_single_level_pooling_matches_torchvision_including_inverted_boxes(sampl
     assert (ref[0][inverted].flatten(1).abs().amax(dim=1) > 0).all()
 
 
+@pytest.mark.numeric
 @LAYOUTS
 def test_multiscale_pooling_under_bfloat16_autocast_matches_torchvisions(channels_last):
     """Training with SOLVER.AMP.ENABLED (bfloat16): bf16 FPN maps under autocast, four levels, forward and backward."""

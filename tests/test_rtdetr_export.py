@@ -80,6 +80,7 @@ def test_tools_export_writes_a_graph_with_grid_sample_no_nms_and_dynamic_sides_i
     assert metadata["pet.detections_per_img"] == "20"
 
 
+@pytest.mark.numeric
 def test_onnxruntime_gives_the_pytorch_detections_at_two_sizes_in_batches_of_two(export, shapes_root):
     cfg = load_cfg(SHAPES_CFG, export.opts)
     batches = [_val_batch(cfg, shapes_root, [2, 3]), _val_batch(cfg, shapes_root, [4, 5], scale=0.7)]

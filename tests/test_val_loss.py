@@ -5,6 +5,7 @@ import math
 import random
 
 import numpy as np
+import pytest
 import torch
 from conftest import ToyLoader, ToyModel
 from helpers import DEMO_CFG, custom_datasets
@@ -41,6 +42,7 @@ def _seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+@pytest.mark.numeric
 def test_validation_loss_is_the_mean_loss_and_changes_nothing():
     torch.manual_seed(0)
     model = RandomDrawingModel()
@@ -71,6 +73,7 @@ def test_validation_loss_is_the_mean_loss_and_changes_nothing():
     assert py == py_seed and np_value == np_seed and torch.equal(torch_values, torch_seed)
 
 
+@pytest.mark.numeric
 def test_val_loss_is_reported_next_to_the_ap(shapes_set, tmp_path):
     root = shapes_set(num_train=2, num_val=2)
     cfg = load_cfg(DEMO_CFG, [

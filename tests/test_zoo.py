@@ -41,6 +41,7 @@ def _demo_cfg(name: str, *opts: str):
     return load_cfg(os.path.join(CFGS, "shapes", f"{name}_R-18-FPN.yaml"), list(opts))
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("name", MODELS)
 def test_one_stage_inference_parity_with_torchvision(name):
     """torchvision's retinanet / fcos_resnet50_fpn weights give torchvision's detections (its label 0, COCO's unused
@@ -49,6 +50,7 @@ def test_one_stage_inference_parity_with_torchvision(name):
     check_inference_parity(name)
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("name", MODELS)
 def test_one_stage_training_parity_with_torchvision(name):
     """The same losses and gradients as torchvision's model for the same weights and batch (tests/parity.py)."""
