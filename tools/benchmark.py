@@ -17,6 +17,11 @@
     python tools/benchmark.py resume-skip [--iters 10 90000 900000] [--world-size 2] [--repeats 3] [--out FILE]
     python tools/benchmark.py rtdetr [--size 640] [--batch 2] [--precision float32 bfloat16] [--threads N]
                                      [--memory-format channels_last] [--iters 1] [--repeats 3] [--out FILE]
+    python tools/benchmark.py roofline [--cfg FILE ...] [--opts KEY VALUE ...] [--mode train infer]
+                                       [--precision auto|float32|bfloat16] [--threads N] [--steps 3] [--layers 15]
+                                       [--out FILE]
+    python tools/benchmark.py gpu [--checks demo_amp test_timing torchvision_parity architectures nccl onnx_cuda]
+                                  [--iters 600] [--steps 5] [--val-images 0] [--work-dir DIR] [--out FILE]
 
 engine: Pet's Trainer overhead per iteration over a plain loop and MMEngine's Runner
 (tools/benchmarks/engine.py). train / infer: Pet's detectors against torchvision's on the same
@@ -35,6 +40,14 @@ item-by-item skip (tools/benchmarks/resume_skip.py).
 rtdetr: Pet's RT-DETR R18 against transformers' RTDetrForObjectDetection with the same weights and pixels, inference
 and a training step in float32 and bfloat16 autocast (tools/benchmarks/rtdetr.py; needs transformers, Pet's test
 extra).
+roofline: this CPU's peak GFLOP/s (a 2048^3 matmul, a 3x3 64->64 convolution; float32 and native bfloat16), and
+per config a training step's and an inference batch's FLOPs (dense arithmetic; sparse RoIAlign products as
+2 x nnz x columns), time, GFLOP/s and % of peak, by stage and by slowest layer (tools/benchmarks/roofline.py).
+gpu: the check to run when a CUDA GPU is lent: the demo trained in float16 (GradScaler) and bfloat16 autocast,
+TestHook's timings against torch.cuda.Event's, parity with torchvision, a few steps of every architecture, two NCCL
+processes, the ONNX parity gate in onnxruntime's CUDA provider; one report (JSON, with the Markdown summary and Pet's
+log beside it), exit status 1 when a check failed; without CUDA every check is reported skipped, exit status 0
+(tools/benchmarks/gpu.py).
 Every table starts with the machine's fingerprint, which the JSON keeps with the command.
 """
 from __future__ import annotations
@@ -47,7 +60,7 @@ import time
 
 import torch
 
-from benchmarks import coco_eval, data, detectors, engine, onnx, predict, resume_skip, rtdetr, tiles
+from benchmarks import coco_eval, data, detectors, engine, gpu, onnx, predict, resume_skip, roofline, rtdetr, tiles
 from benchmarks.common import fingerprint
 
 
@@ -72,8 +85,10 @@ def main() -> None:
     tiles.add_arguments(sub.add_parser("tiles", help="tiled prediction against uncut pictures and SAHI"))
     resume_skip.add_arguments(sub.add_parser("resume-skip", help="first batch after a resume, two ways of skipping"))
     rtdetr.add_arguments(sub.add_parser("rtdetr", help="RT-DETR against transformers' on the same weights"))
+    roofline.add_arguments(sub.add_parser("roofline", help="peak GFLOP/s, and each stage's and layer's share of it"))
+    gpu.add_arguments(sub.add_parser("gpu", help="the checks to run on a CUDA GPU, one report"))
     args = parser.parse_args()
-    if args.command in ("train", "infer", "onnx", "rtdetr"):
+    if args.command in ("train", "infer", "onnx", "rtdetr", "roofline"):
         torch.set_num_threads(args.threads)
     if args.command in ("train", "infer"):
         run = detectors.detectors
@@ -81,7 +96,8 @@ def main() -> None:
         run = {"engine": engine.engine, "data": data.data, "coco-eval": coco_eval.coco_eval,
                "onnx": onnx.onnx_vs_pytorch, "predict": predict.predict_benchmark,
                "tiles": tiles.tiles_benchmark, "resume-skip": resume_skip.resume_skip,
-               "rtdetr": rtdetr.rtdetr_benchmark}[args.command]
+               "rtdetr": rtdetr.rtdetr_benchmark, "roofline": roofline.roofline,
+               "gpu": gpu.gpu_check}[args.command]
     machine = fingerprint()
     result = {"command": " ".join(sys.argv), "machine": machine, "date": time.strftime("%Y-%m-%d"),
               **run(args, machine)}
@@ -89,6 +105,11 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {args.out}")
+    if args.command == "gpu":
+        summary = os.path.splitext(args.out)[0] + ".md"
+        gpu.write_markdown(result, summary)
+        print(f"wrote {summary}")
+        sys.exit(gpu.exit_status(result))
 
 
 if __name__ == "__main__":

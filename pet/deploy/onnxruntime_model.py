@@ -8,6 +8,7 @@ unchanged (``tools/test_net.py --backend onnxruntime``).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -37,7 +38,7 @@ def import_onnxruntime() -> ModuleType:
 
 
 class OnnxRuntimeModel(torch.nn.Module):
-    """An ONNX file written by :func:`pet.deploy.onnx.export_onnx`, run by an onnxruntime CPU session.
+    """An ONNX file written by :func:`pet.deploy.onnx.export_onnx`, run by an onnxruntime session (CPU by default).
 
     The graph computes everything up to the final detections in the network input's pixels; ``forward``
     then splits them by image and maps them to the original images with
@@ -46,16 +47,20 @@ class OnnxRuntimeModel(torch.nn.Module):
     parameters: the engine then runs it on the CPU. It only infers: it starts in eval mode, and training mode
     is an error.
 
-    ``threads``: onnxruntime's intra-op threads (0: its default, one per core).
+    ``threads``: onnxruntime's intra-op threads (0: its default, one per core). ``providers``: onnxruntime's
+    execution providers in order of preference, names or ``(name, options)`` pairs (tools/benchmark.py gpu runs the
+    parity gate with ``CUDAExecutionProvider``); onnxruntime falls back to the next one it can start, so a caller
+    that needs a provider checks ``session.get_providers()``.
     """
 
-    def __init__(self, path: str, threads: int = 0) -> None:
+    def __init__(self, path: str, threads: int = 0,
+                 providers: Sequence[str | tuple[str, dict[str, str]]] = ("CPUExecutionProvider",)) -> None:
         onnxruntime = import_onnxruntime()
         super().__init__()
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = threads
         try:
-            self.session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+            self.session = onnxruntime.InferenceSession(path, options, providers=list(providers))
         except Exception as exc:  # onnxruntime raises its own exception types for a missing or invalid file
             raise PetError(f"Cannot load the ONNX model {path}: {exc}") from exc
         self.path = path
