@@ -88,6 +88,7 @@ def _ddp_accumulation_worker(rank, init_file):
     return rank, len(all_reduces), {name: value.tolist() for name, value in model.state_dict().items()}
 
 
+@pytest.mark.slow
 @pytest.mark.numeric
 def test_two_processes_accumulating_give_one_large_batch_with_one_all_reduce_per_iteration(tmp_path):
     """2 processes x 2 accumulated batches of 1 image = one batch of 4: DDP all-reduces once (no_sync on the first)."""

@@ -223,6 +223,7 @@ def random_weights(cfg_file: str, root, shapes_root: str) -> tuple[str, list[str
     return weights, [*opts, "MODEL.ROI_HEADS.SCORE_THRESH_TEST", f"{blank + 1e-3:.6f}"]
 
 
+@pytest.mark.slow
 def test_tools_export_passes_its_parity_gate_and_onnxruntime_gives_the_same_detections(
         tmp_path, shapes_root, monkeypatch, capsys):
     """Cascade R-CNN only: Cascade Mask R-CNN's mask branch is Mask R-CNN's, whose export tests/test_export.py
@@ -239,6 +240,7 @@ def test_tools_export_passes_its_parity_gate_and_onnxruntime_gives_the_same_dete
     assert report.detections > 0 and report.box_fraction <= 1e-3 and report.score <= 1e-4
 
 
+@pytest.mark.slow
 def test_predict_writes_test_nets_detections_with_masks(tmp_path, monkeypatch, capsys, shapes_root):
     root = tmp_path
     weights, opts = random_weights(CASCADE_MASK_CFG, root, shapes_root)

@@ -294,6 +294,7 @@ def test_bad_data_stops_train_net_with_one_clear_line(tmp_path, monkeypatch, cap
     assert re.search(expected.replace("{name}", name), lines[0]), lines[0]
 
 
+@pytest.mark.slow
 def test_corrupt_image_in_a_worker_stops_train_net_with_one_clear_line(tmp_path):
     name, json_file, image_dir = write_coco(tmp_path, images=[(i, 24, 20) for i in range(1, 5)])
     for i in range(1, 5):  # every image broken: the first batch, loaded in the worker, must fail

@@ -143,6 +143,7 @@ def _tiny_run_cfg(tmp_path, name: str):
     ])
 
 
+@pytest.mark.slow
 def test_thirty_iterations_from_each_format_give_identical_weights(four_formats, tmp_path):
     weights, initial = {}, None
     for fmt, name in four_formats.items():
@@ -742,6 +743,7 @@ def test_perfect_detections_score_100_on_a_converted_set_with_clipped_and_droppe
 # --------------------------------------------------------------------------- the tools
 
 
+@pytest.mark.slow
 def test_visualize_data_and_test_net_work_on_a_voc_set(four_formats, tmp_path, monkeypatch, capsys):
     """The tools see a dataset of any format as they see a COCO one: pictures with class names, COCO metrics plus
     VOC's own for a voc set, and results files with the dataset's category ids."""

@@ -68,6 +68,7 @@ def fresh_import() -> subprocess.CompletedProcess:
                           text=True, env={**os.environ, "PYTHONPATH": ROOT})
 
 
+@pytest.mark.slow
 def test_pet_itself_uses_no_deprecated_name(fresh_import):
     assert fresh_import.returncode == 0, fresh_import.stderr[-3000:]
 

@@ -166,6 +166,7 @@ def exports(tmp_path_factory, shapes_root) -> Exports:
     return Exports(tmp_path_factory.mktemp("export"), shapes_root)
 
 
+@pytest.mark.slow
 def test_tools_export_writes_a_graph_with_dynamic_batch_and_size_and_its_parity_gate_passes(exports):
     for arch, export in exports.items():
         assert export.run.returncode == 0, f"{arch}:\n{export.run.stdout[-2000:]}\n{export.run.stderr[-3000:]}"
@@ -190,6 +191,7 @@ def _val_batch(cfg, shapes_root: str, indices: list[int], scale: float = 1.0):
 
 
 # Numeric for Faster R-CNN only: each architecture is one more export (~25 s of CPU) in the numeric pass.
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", [pytest.param(arch, marks=pytest.mark.numeric) if arch == "faster_rcnn" else arch
                                   for arch in ARCHS])
 def test_onnxruntime_gives_the_pytorch_detections_at_two_sizes_in_batches_of_two(exports, shapes_root, arch):

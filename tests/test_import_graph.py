@@ -148,6 +148,7 @@ def test_every_import_inside_a_function_says_why():
     assert {m: lines for m, lines in unexplained.items() if lines} == {}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("importer, forbidden", [
     ("pet.engine", "pet.evaluation"),  # evaluation may use the engine's callbacks: one way only
     ("pet.engine", "pet.modeling"),  # the engine builds models through the registry

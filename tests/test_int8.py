@@ -134,6 +134,7 @@ def int8_runs(tmp_path_factory, shapes_set) -> Int8Runs:
     return Int8Runs(opts, weights, ckpt, export, calibrated, damaged, damaged_output, f"{root}/val")
 
 
+@pytest.mark.slow
 @pytest.mark.numeric
 def test_int8_calibrated_on_training_images_passes_its_gate_and_is_written(int8_runs):
     run = int8_runs.calibrated
@@ -152,6 +153,7 @@ def test_int8_calibrated_on_training_images_passes_its_gate_and_is_written(int8_
     assert {"QuantizeLinear", "DequantizeLinear", "NonMaxSuppression", "RoiAlign"} <= ops
 
 
+@pytest.mark.slow
 @pytest.mark.numeric
 def test_the_gate_refuses_an_int8_model_calibrated_on_blank_images_with_one_line_and_exit_2(int8_runs):
     run = int8_runs.damaged

@@ -37,6 +37,7 @@ COCO_CFG = os.path.join(CFGS, "coco", "keypoint_rcnn_R-50-FPN_1x.yaml")
 
 # This and the next are not in the numeric group (.ci/run's pass as on another CPU): ~30 s of 2 cores each there,
 # most of it the keypoint head's eight 512-channel convolutions; the other parity tests compare the rest.
+@pytest.mark.slow
 def test_keypoint_rcnn_inference_parity_with_torchvision():
     """torchvision's keypointrcnn_resnet50_fpn weights give torchvision's detections, keypoints and keypoint scores:
     the same as its model run channels-last, and torchvision's default run in float64 up to its memory format's
@@ -45,6 +46,7 @@ def test_keypoint_rcnn_inference_parity_with_torchvision():
     print(measured)
 
 
+@pytest.mark.slow
 def test_keypoint_rcnn_training_parity_with_torchvision():
     """The same losses (loss_keypoint included) and gradients as torchvision's model for the same weights, batch,
     keypoints and sampling (tests/parity.py)."""
@@ -89,6 +91,7 @@ def tiny_keypoint_export(shapes_root, tmp_path_factory):
     return model, OnnxRuntimeModel(path), batches
 
 
+@pytest.mark.slow
 @pytest.mark.numeric
 def test_keypoint_rcnn_exports_through_the_parity_gate_with_its_keypoints(tiny_keypoint_export):
     model, onnx_model, batches = tiny_keypoint_export
@@ -103,6 +106,7 @@ def test_keypoint_rcnn_exports_through_the_parity_gate_with_its_keypoints(tiny_k
     assert sum(len(d["boxes"]) for d in detections) > 0
 
 
+@pytest.mark.slow
 def test_the_gate_rejects_keypoints_moved_by_a_pixel(tiny_keypoint_export):
     """The gate compares the decoded keypoints: onnxruntime's moved by 1 px (boxes and scores unchanged) fail it."""
     model, onnx_model, batches = tiny_keypoint_export
@@ -173,6 +177,7 @@ def coco_person(tmp_path_factory):
     return str(json_file), str(root / "images"), rgb
 
 
+@pytest.mark.slow
 def test_shipped_coco_config_evaluates_torchvision_keypoint_weights_as_torchvision(coco_person, tmp_path):
     """tools/test_net.py with cfgs/coco/keypoint_rcnn_R-50-FPN_1x.yaml and a torchvision-format state_dict: bbox.json
     is torchvision's detections, and the model's outputs (saved by a TEST.HOOKS callback) carry torchvision's

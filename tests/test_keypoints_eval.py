@@ -137,6 +137,7 @@ def test_the_evaluator_scores_keypoints_and_writes_them_flat_with_scores(tmp_pat
     assert rescored["keypoints"]["AP"] == pytest.approx(100.0)
 
 
+@pytest.mark.slow
 def test_a_keypoint_rcnn_trains_on_the_shapes_corners_and_is_scored_on_them(tiny_set, tmp_path):
     """Two training steps of the shipped shapes keypoint config on the tiny set's corners, then its test: the
     targets carry the corners, and evaluation reports keypoint AP beside box AP and writes keypoints.json."""

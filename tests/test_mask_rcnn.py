@@ -23,6 +23,7 @@ DEMO_CFG = os.path.join(CFGS, "shapes", "mask_rcnn_R-18-FPN.yaml")
 LOSSES = {"loss_objectness", "loss_rpn_box_reg", "loss_classifier", "loss_box_reg", "loss_mask"}
 
 
+@pytest.mark.slow
 @pytest.mark.numeric
 def test_mask_rcnn_inference_parity_with_torchvision():
     """torchvision's maskrcnn_resnet50_fpn weights give torchvision's detections and masks (IoU >= 0.99 each): the
@@ -33,6 +34,7 @@ def test_mask_rcnn_inference_parity_with_torchvision():
 
 # Not in the numeric group (.ci/run's pass as on another CPU): ~12 s of 2 cores there, for what Faster R-CNN's
 # training parity and Mask R-CNN's inference parity already compare.
+@pytest.mark.slow
 def test_mask_rcnn_training_parity_with_torchvision():
     """The same losses (loss_mask included) and gradients as torchvision's model for the same weights, batch and
     sampling (tests/parity.py)."""

@@ -123,6 +123,7 @@ def test_r50_config_freezes_what_torchvision_freezes():
     assert isinstance(model.backbone.body.layer4[0].bn1, FrozenBatchNorm2d)
 
 
+@pytest.mark.slow
 @pytest.mark.numeric
 def test_faster_rcnn_inference_parity_with_torchvision():
     """torchvision's fasterrcnn_resnet50_fpn weights give torchvision's detections: the same as its model run
@@ -130,6 +131,7 @@ def test_faster_rcnn_inference_parity_with_torchvision():
     check_inference_parity("faster_rcnn")
 
 
+@pytest.mark.slow
 @pytest.mark.numeric
 def test_faster_rcnn_training_parity_with_torchvision():
     """The same losses and gradients as torchvision's model for the same weights, batch and sampling

@@ -5,6 +5,7 @@ import json
 import math
 import os
 
+import pytest
 from helpers import run_tool, run_tool_in_process
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -42,6 +43,7 @@ def test_default_output_is_next_to_the_first_file(tmp_path, monkeypatch, capsys)
     assert (tmp_path / "run" / "curves.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
+@pytest.mark.slow
 def test_missing_or_empty_file_is_a_one_line_error(tmp_path, monkeypatch, capsys):
     """The first case as a user's shell sees it (a fresh interpreter), the others in this process (the same code)."""
     good = _write_metrics(tmp_path / "run" / "metrics.json", 1.0)

@@ -67,6 +67,7 @@ class ImageCounter:
         return {"count": {"images": self.images, "detections": self.detections}}
 
 
+@pytest.mark.slow
 def test_test_evaluator_selects_the_evaluator_by_dotted_path(shapes_set, tmp_path):
     root = shapes_set(num_train=2, num_val=2)
     cfg = load_cfg(DEMO_CFG, [

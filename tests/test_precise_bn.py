@@ -38,6 +38,7 @@ def _shapes_cfg(make_cfg, tiny_set, name, *opts):
                     "INPUT.MIN_SIZE_TRAIN", "(96,)", "INPUT.MAX_SIZE_TRAIN", 160, "TRAIN.SAVE_AS_JSON", False, *opts)
 
 
+@pytest.mark.slow
 def test_precise_bn_from_config_keeps_the_training_batch_sequence(make_cfg, tiny_set):
     """With persistent workers, drawing from the trainer's loader would restart its sampler mid-run."""
     runs = {}

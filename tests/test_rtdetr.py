@@ -130,6 +130,7 @@ def test_documented_matcher_and_loss_examples_train(tiny_model):
     sum(losses.values()).backward()
 
 
+@pytest.mark.slow
 def test_train_and_test_through_the_tools_with_stage_timers(tiny_set, tmp_path, monkeypatch, capsys):
     """The engine, test_net and COCO evaluation take RT-DETR unchanged; the speed summary has its stages."""
     ckpt = str(tmp_path / "run")
@@ -143,6 +144,7 @@ def test_train_and_test_through_the_tools_with_stage_timers(tiny_set, tmp_path, 
     assert {"backbone", "encoder", "decoder", "postprocess"} <= set(report["speed"]), report["speed"]
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical_denoising_noise_included(tiny_set, tmp_path, monkeypatch, capsys):
     """2 iterations straight, and the same run resumed from its checkpoint after iteration 1, end with the same
     weights: the denoising noise comes from the RNG state the checkpoint restores; the matching is deterministic."""

@@ -64,6 +64,7 @@ def export(tmp_path_factory, shapes_root) -> Export:
     return Export(opts, weights, model, onnx_file, run.stdout, run.stderr, run.returncode)
 
 
+@pytest.mark.slow
 def test_tools_export_writes_a_graph_with_grid_sample_no_nms_and_dynamic_sides_in_32s(export):
     assert export.returncode == 0, f"{export.stdout[-2000:]}\n{export.stderr[-3000:]}"
     assert "Parity gate passed: 5 images" in export.stdout
@@ -80,6 +81,7 @@ def test_tools_export_writes_a_graph_with_grid_sample_no_nms_and_dynamic_sides_i
     assert metadata["pet.detections_per_img"] == "20"
 
 
+@pytest.mark.slow
 @pytest.mark.numeric
 def test_onnxruntime_gives_the_pytorch_detections_at_two_sizes_in_batches_of_two(export, shapes_root):
     cfg = load_cfg(SHAPES_CFG, export.opts)
@@ -132,6 +134,7 @@ def test_test_net_onnxruntime_gives_the_pytorch_ap(export, tmp_path):
     assert metrics["onnxruntime"] == pytest.approx(metrics["pytorch"], abs=1e-4, nan_ok=True)
 
 
+@pytest.mark.slow
 def test_int8_pre_processing_takes_the_export_and_finds_the_parts_inside_module_lists(export, tmp_path):
     """onnxruntime's symbolic shape inference fails on this graph (the quantizer pre-processes without it), and the
     backbone stages, encoder blocks and decoder layers, elements of ModuleLists, are parts that can run int8."""

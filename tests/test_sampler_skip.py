@@ -62,6 +62,7 @@ def _emitted_by(batches: list[list], stream: list, ends: list[int]) -> list[int]
     return [sum(e < end for e in emissions) for end in ends]
 
 
+@pytest.mark.slow
 def test_the_stream_is_every_world_size_th_item_of_seeded_passes():
     """The definition the skip must follow: each pass is randperm then randint from one generator; rank r takes
     the global positions p with p % world_size == r, across pass boundaries."""

@@ -176,6 +176,7 @@ def _mask_iou(det: dict, mask: np.ndarray) -> float:
     return float((ours & mask).sum() / union) if union else 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(CLASSIFIERS))
 def test_shipped_coco_config_evaluates_torchvision_weights_as_torchvision(arch, coco_mini, tmp_path):
     json_file, image_dir, pixels = coco_mini

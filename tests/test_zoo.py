@@ -41,6 +41,7 @@ def _demo_cfg(name: str, *opts: str):
     return load_cfg(os.path.join(CFGS, "shapes", f"{name}_R-18-FPN.yaml"), list(opts))
 
 
+@pytest.mark.slow
 @pytest.mark.numeric
 @pytest.mark.parametrize("name", MODELS)
 def test_one_stage_inference_parity_with_torchvision(name):
@@ -50,6 +51,7 @@ def test_one_stage_inference_parity_with_torchvision(name):
     check_inference_parity(name)
 
 
+@pytest.mark.slow
 @pytest.mark.numeric
 @pytest.mark.parametrize("name", MODELS)
 def test_one_stage_training_parity_with_torchvision(name):
