@@ -12,6 +12,7 @@ import re
 import tempfile
 import traceback
 from collections.abc import Callable, Iterator
+from multiprocessing import forkserver
 from typing import Any, NamedTuple
 
 import pytest
@@ -47,11 +48,12 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 # workers whole files in collection order (--no-loadscope-reorder), so starting with these keeps one worker from
 # being left with a long file while the other has finished (longest-processing-time-first scheduling).
 SLOWEST_FILES = (
-    "test_keypoint_rcnn.py", "test_multinode.py", "test_torchvision_weights.py", "test_export.py",
-    "test_checkpoint_files.py", "test_stops.py", "test_distributed.py", "test_end_to_end.py", "test_worker_death.py",
-    "test_mask_rcnn.py", "test_cascade_rcnn.py", "test_rtdetr_export.py", "test_rtdetr_parity.py", "test_int8.py",
-    "test_evaluation.py", "test_predict.py", "test_kill_resume.py", "test_trainer_api.py", "test_rtdetr.py",
-    "test_benchmarks.py", "test_rtdetr_distributed.py", "test_rtdetr_predict.py",
+    "test_keypoint_rcnn.py", "test_multinode.py", "test_torchvision_weights.py", "test_export.py", "test_mask_rcnn.py",
+    "test_distributed.py", "test_worker_death.py", "test_zoo.py", "test_modeling.py", "test_cascade_rcnn.py",
+    "test_rtdetr_export.py", "test_rtdetr_parity.py", "test_int8.py", "test_predict.py", "test_end_to_end.py",
+    "test_speed_probe.py", "test_trackers.py", "test_evaluation.py", "test_checkpoint_files.py", "test_stops.py",
+    "test_precision.py", "test_kill_resume.py", "test_rtdetr.py", "test_rtdetr_distributed.py", "test_trainer_api.py",
+    "test_benchmarks.py", "test_rtdetr_predict.py",
 )
 
 
@@ -262,8 +264,9 @@ class RankFailure(NamedTuple):
     traceback: str
 
 
-def _rank_main(worker: Any, rank: int, init_file: Any, args: tuple, queue: Any) -> None:
-    """One process of ``run_two_ranks``: join the gloo group, run ``worker``, tear down, report.
+def _rank_main(worker: Any, rank: int, init_file: Any, args: tuple, queue: Any, join: bool = True) -> None:
+    """One process of ``run_two_ranks``: join the gloo group (unless the worker does), run ``worker``, tear down,
+    report.
 
     The worker returns before the group goes, and a garbage collection frees what it built (a
     Trainer, its DistributedDataParallel reducer and any Python comm hook) while the interpreter
@@ -274,29 +277,71 @@ def _rank_main(worker: Any, rank: int, init_file: Any, args: tuple, queue: Any) 
     collective is in flight. faulthandler prints every thread's stack if a process dies anyway.
     """
     faulthandler.enable(all_threads=True)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    if join:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         result = worker(rank, init_file, *args)
         gc.collect()
-        dist.barrier()
+        if join:
+            dist.barrier()
     except BaseException:
         queue.put(RankFailure(rank, traceback.format_exc()))
         raise
     finally:
-        dist.destroy_process_group()
+        if join:
+            dist.destroy_process_group()
     queue.put(result)
 
 
-def run_two_ranks(worker: Any, init_file: Any, *args: Any, timeout: float = 600) -> list[Any]:
+# What the fork server imports before a test asks it for a process: torch, Pet and the test helpers (seconds of CPU).
+_FORK_SERVER_PRELOAD = ["conftest", "helpers"]
+_SESSION_ENVIRON = dict(os.environ)  # as this module set it up, before any test changed it
+
+
+def fork_server_context() -> Any:
+    """The multiprocessing context of ``run_two_ranks`` and ``helpers.run_tool_forked``: a fork server that
+    imported :data:`_FORK_SERVER_PRELOAD` once.
+
+    Each process is forked from that server, a process that imported torch but never ran an operation (no
+    OpenMP thread pool to copy), so it is a fresh process without a fresh interpreter's seconds of imports.
+    The server starts at the first call, in the environment of this session's start (a test's monkeypatched
+    variables must not outlive it in every later process); a process sets what it needs itself.
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_FORK_SERVER_PRELOAD)
+    environ = dict(os.environ)
+    os.environ.clear()
+    # The server is a `python -c` that (before Python 3.12) ignores this process's sys.path: it finds the
+    # preloaded modules through PYTHONPATH.
+    tests = os.path.dirname(os.path.abspath(__file__))
+    os.environ.update(_SESSION_ENVIRON,
+                      PYTHONPATH=os.pathsep.join(filter(None, [tests, _SESSION_ENVIRON.get("PYTHONPATH")])))
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    return context
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Stop the fork server and wait for it: its CPU time (and its children's) is the session's."""
+    forkserver._forkserver._stop()
+
+
+def run_two_ranks(worker: Any, init_file: Any, *args: Any, timeout: float = 600, join: bool = True) -> list[Any]:
     """``worker(rank, init_file, *args)`` in each process of a two-process gloo group; what they return, sorted.
 
-    Spawned, not forked: a fork copies torch's OpenMP thread pool, which hangs the child once an
-    earlier test has used it. A worker that raises fails the test at once with its traceback; a
-    hang shows up as ``queue.Empty`` after ``timeout``. Both processes must exit cleanly.
+    Started by a fork server (:func:`fork_server_context`), not forked from this process: a fork copies
+    torch's OpenMP thread pool, which hangs the child once an earlier test has used it. A worker that
+    raises fails the test at once with its traceback; a hang shows up as ``queue.Empty`` after
+    ``timeout``. Both processes must exit cleanly. ``join=False``: the worker joins (and leaves) a
+    group itself, as a tool does under torchrun (``helpers.run_tool_on_two_ranks``).
     """
-    context = multiprocessing.get_context("spawn")
+    context = fork_server_context()
     queue = context.Queue()
-    workers = [context.Process(target=_rank_main, args=(worker, rank, init_file, args, queue)) for rank in range(2)]
+    workers = [context.Process(target=_rank_main, args=(worker, rank, init_file, args, queue, join))
+               for rank in range(2)]
     for process in workers:
         process.start()
     results = []

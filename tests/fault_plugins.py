@@ -1,6 +1,7 @@
-"""Hooks and a writer loaded by dotted path in the fault-injection subprocesses.
+"""Hooks and a writer loaded by dotted path in the fault-injection runs of ``tests/toy_train.py``.
 
-Python puts this folder on ``sys.path`` when it runs ``tests/toy_train.py``, so a test passes
+This folder is on ``sys.path`` wherever toy_train runs (a fresh interpreter puts it there, the session's fork
+server and the test process have it), so a test passes
 ``HOOKS.CUSTOM "[{'type': 'fault_plugins.AfterTrainMarker'}]"`` or
 ``TRAIN.WRITERS "[{'type': 'fault_plugins.CloseMarker'}]"`` and then reads the files
 to see that ``after_train`` ran and writers were closed in a run that was stopped, or

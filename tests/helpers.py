@@ -8,14 +8,17 @@ from __future__ import annotations
 import io
 import json
 import logging
+import multiprocessing.reduction
 import os
 import random
 import runpy
 import select
+import socket
 import subprocess
 import sys
+import tempfile
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,7 @@ import cv2
 import numpy as np
 import pytest
 import torch
+from conftest import fork_server_context, run_two_ranks
 from fvcore.common.config import CfgNode
 
 from pet.config import load_cfg
@@ -71,8 +75,9 @@ def run_tool_in_process(monkeypatch: Any, capsys: Any, tool: str, *args: object)
     """Run ``tools/<tool>`` in this process, as :func:`run_tool` would in a fresh one, without its ~4.5 s of imports.
 
     The result reads like :func:`run_tool`'s: exit status, stdout, stderr. ``monkeypatch`` and ``capsys``
-    are the calling test's fixtures. A test whose point is a fresh process (start-up, environment read at
-    import, signals, fault plugins loaded at start-up, the exact bytes a shell sees) uses :func:`run_tool`.
+    are the calling test's fixtures. A test whose point is a process of its own (signals, kills, limits) uses
+    :func:`run_tool_forked`; one whose point is a fresh interpreter (start-up, environment read at import, fault
+    plugins loaded at start-up, the exact bytes a shell sees) uses :func:`run_tool`.
     """
     capsys.readouterr()  # only this run's output
     status = _run_in_this_process(monkeypatch, tool, args)
@@ -97,8 +102,154 @@ def run_tool_captured(tool: str, *args: object, threads: int = 1) -> subprocess.
     return subprocess.CompletedProcess([tool, *map(str, args)], status, stdout.getvalue(), stderr.getvalue())
 
 
+def run_tool_forked(
+    tool: str,
+    *args: object,
+    threads: int = 1,
+    check: bool = True,
+    env: dict[str, str] | None = None,
+    preexec: Callable[[], None] | None = None,
+) -> subprocess.CompletedProcess:
+    """:func:`run_tool` (one process) in a process forked from the session's fork server (``conftest.py``).
+
+    A process of its own, as a user's: its signals, kills, resource limits and exit status (``-N``: killed by
+    signal N), its output read from files (complete up to a kill), but not a fresh interpreter: its ~4 s of imports
+    were made once, in the server. ``tool``: a file of tools/, or a script's absolute path; ``threads``: its
+    OMP_NUM_THREADS; ``env``: more variables; ``preexec``: a module-level function it calls first. A test of a
+    fresh interpreter's start-up (what it reads of its environment at import, the exact bytes on a terminal) uses
+    :func:`run_tool`.
+    """
+    proc = start_tool_forked(tool, *args, threads=threads, env=env, preexec=preexec)
+    try:
+        stdout, stderr = proc.communicate(timeout=600)  # a hang guard only
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{tool} (forked) failed ({proc.returncode}):\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess([tool, *map(str, args)], proc.returncode, stdout, stderr)
+
+
+class ForkedProcess:
+    """A tool running in a process forked from the session's fork server (:func:`start_tool_forked`), with what
+    tests use of ``subprocess.Popen``: ``pid``, ``returncode``, ``send_signal``, ``kill`` and ``communicate``."""
+
+    def __init__(self, process: Any, outputs: tempfile.TemporaryDirectory, files: tuple[str, str]) -> None:
+        self.process, self.outputs, self.files = process, outputs, files
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def send_signal(self, signum: int) -> None:
+        os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Wait for the end (``subprocess.TimeoutExpired`` after ``timeout``); its stdout and stderr."""
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.process.name, timeout)
+        try:
+            return tuple(Path(path).read_text(errors="replace") for path in self.files)
+        finally:
+            self.outputs.cleanup()
+
+
+def start_tool_forked(tool: str, *args: object, threads: int = 1, env: dict[str, str] | None = None,
+                      pass_fds: Sequence[int] = (), preexec: Callable[[], None] | None = None) -> ForkedProcess:
+    """:func:`run_tool_forked`'s process, started and left running. ``pass_fds``: file descriptors of this process
+    that it gets under the same numbers (as ``subprocess.Popen`` passes them); ``preexec``: a module-level function
+    it calls before the tool."""
+    outputs = tempfile.TemporaryDirectory(prefix="pet-forked-")
+    files = os.path.join(outputs.name, "stdout"), os.path.join(outputs.name, "stderr")
+    environ = {"OMP_NUM_THREADS": str(threads), **(env or {})}
+    process = fork_server_context().Process(
+        target=_tool_in_forked_process,
+        args=(tool, [str(a) for a in args], environ, files, [_PassedFd(fd) for fd in pass_fds], preexec))
+    process.start()
+    return ForkedProcess(process, outputs, files)
+
+
+class _PassedFd:
+    """A file descriptor that travels to a forked process in its arguments (the fork server passes it on), where
+    it is unpickled under the number it has here."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[int, Any]]:
+        return _receive_fd, (self.fd, multiprocessing.reduction.DupFd(self.fd))
+
+
+def _receive_fd(number: int, passed: Any) -> int:
+    received = passed.detach()
+    if received != number:
+        try:
+            os.fstat(number)
+        except OSError:
+            os.dup2(received, number)
+            os.close(received)
+        else:
+            raise RuntimeError(f"file descriptor {number} is taken in the forked process")
+    return number
+
+
+def _tool_in_forked_process(tool: str, args: list[str], environ: dict[str, str], files: tuple[str, str],
+                            passed: list[int], preexec: Callable[[], None] | None) -> None:
+    """The body of :func:`start_tool_forked`'s process: its output to ``files``, then the tool as ``__main__``; the
+    process's exit status is the tool's (multiprocessing turns a SystemExit into it, as the interpreter does).
+    ``passed``: the file descriptors it was given, open from unpickling on."""
+    for fd, path in zip((1, 2), files):
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(opened, fd)
+        os.close(opened)
+    os.environ.update(environ)
+    if preexec is not None:
+        preexec()
+    path = os.path.join(ROOT, "tools", tool)
+    sys.argv = [path, *args]
+    runpy.run_path(path, run_name="__main__")
+
+
+def run_tool_on_two_ranks(tool: str, *args: object,
+                          env: Sequence[dict[str, str]] | None = None) -> list[subprocess.CompletedProcess]:
+    """``tools/<tool>`` with ``args`` in two processes that join as torchrun's workers do (its environment variables,
+    ``env://`` on a free local port, one thread each), each with its own output: exit status, stdout, stderr, in rank
+    order (torchrun mixes the ranks' output, and reports their statuses in its own words). ``env``: each rank's
+    launcher variables instead of torchrun's (srun's, say).
+
+    The processes come from the session's fork server (``conftest.run_two_ranks``): fresh processes, without a fresh
+    interpreter's seconds of imports each, and without torchrun's agent. A test of what torchrun itself does (its
+    restarts, ending the other processes of a failed run, how a user starts a run) uses ``run_tool(..., nproc=2)``.
+    """
+    if env is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = [{"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "WORLD_SIZE": "2",
+                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} for rank in range(2)]
+    # The precision decisions of this session (conftest.py's PET_CACHE_DIR), as a tool this process starts shares them.
+    env = [{**variables, "PET_CACHE_DIR": os.environ["PET_CACHE_DIR"]} for variables in env]
+    return [proc for _, proc in run_two_ranks(_tool_on_rank, None, env, tool, [str(a) for a in args], join=False)]
+
+
+def _tool_on_rank(rank: int, _init_file: Any, env: list[dict[str, str]], tool: str, args: list[str]) -> tuple[int, Any]:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)  # only the launcher variables of ``env``
+    os.environ.update(env[rank])
+    return rank, run_tool_captured(tool, *args)
+
+
 def _run_in_this_process(monkeypatch: Any, tool: str, args: Sequence[object]) -> int:
-    """``tools/<tool>`` run as ``__main__`` with ``args`` as its command line; its exit status.
+    """``tools/<tool>`` (or the script at ``tool``, an absolute path) run as ``__main__`` with ``args`` as its command
+    line; its exit status.
 
     An exit with a message (``sys.exit("Error: ...")``) gives status 1 and the message on stderr, as the
     interpreter would. What the tools change for the whole process is put back: ``sys.argv``, the 'pet'
@@ -185,18 +336,39 @@ def run_toy_train(ckpt: Any, max_iter: int, *args: str, **popen: Any) -> tuple[i
     return proc.returncode, out, err
 
 
+def run_toy_train_here(ckpt: Any, max_iter: int, *args: str) -> tuple[int, str, str]:
+    """:func:`run_toy_train` in this process, without a fresh interpreter's ~4 s of imports: (exit status, stdout,
+    stderr), the same command line and the same code. For the runs around a fault (the one that sets a checkpoint up,
+    the one that resumes after it) and for faults that need no process of their own; a fault that does (a signal,
+    a kill, a file-size limit, dropped capabilities) runs through :func:`run_toy_train_forked`."""
+    assert "--file-size-limit" not in args, "a file-size limit would hold for this whole process"
+    proc = run_tool_captured(TOY_TRAIN, "--ckpt", ckpt, "--max-iter", max_iter, *args)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def run_toy_train_forked(ckpt: Any, max_iter: int, *args: str,
+                         preexec: Callable[[], None] | None = None) -> tuple[int, str, str]:
+    """:func:`run_toy_train` in a process of its own forked from the session's fork server (:func:`run_tool_forked`):
+    (exit status, stdout, stderr). For a fault that needs a process (a limit, a signal, fewer capabilities), not a
+    fresh interpreter."""
+    proc = run_tool_forked(TOY_TRAIN, "--ckpt", ckpt, "--max-iter", max_iter, *args, check=False, preexec=preexec)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
 def start_and_wait_for_report(ckpt: Any, max_iter: int, plugin: str, *args: str, also: Sequence[dict] = (),
-                              **kwargs: Any) -> tuple[subprocess.Popen, str]:
+                              **kwargs: Any) -> tuple[ForkedProcess, str]:
     """Start toy_train with the hook ``fault_plugins.<plugin>(fd=<a pipe>, **kwargs)`` and wait for its report.
 
-    ``also``: more ``HOOKS.CUSTOM`` entries. Returns the process, still running, and the line
-    the hook wrote on the pipe once it got where the test wants it: no sleep, no timing
-    assumption. A child that exits before reporting fails the test with its output.
+    ``also``: more ``HOOKS.CUSTOM`` entries. Returns the process (forked from the session's fork
+    server: :func:`start_tool_forked`), still running, and the line the hook wrote on the pipe once
+    it got where the test wants it: no sleep, no timing assumption. A child that exits before
+    reporting fails the test with its output.
     """
     read_end, write_end = os.pipe()
     hooks = [*also, {"type": f"fault_plugins.{plugin}", "fd": write_end, **kwargs}]
     try:
-        proc = start_toy_train(ckpt, max_iter, *args, "HOOKS.CUSTOM", repr(hooks), pass_fds=(write_end,))
+        proc = start_tool_forked(TOY_TRAIN, "--ckpt", ckpt, "--max-iter", max_iter, *args, "HOOKS.CUSTOM",
+                                 repr(hooks), pass_fds=(write_end,))
     finally:
         os.close(write_end)
     try:

@@ -1,8 +1,9 @@
 """Hooks that SIGKILL their own training process, or one of its data-loading workers, at chosen iterations;
 loaded by dotted path in a subprocess.
 
-``tests/test_kill_resume.py`` puts this folder on the child's ``PYTHONPATH`` and passes
-``HOOKS.CUSTOM "[{'type': 'kill_plugins.KillAt', 'at': [k1, k2, k3]}]"`` to ``tools/train_net.py``.
+``tests/test_kill_resume.py`` passes ``HOOKS.CUSTOM "[{'type': 'kill_plugins.KillAt', 'at': [k1, k2, k3]}]"``
+to ``tools/train_net.py`` in processes forked from the session's fork server (which has this folder on its
+``sys.path``); a test that starts a fresh interpreter puts this folder on the child's ``PYTHONPATH``.
 """
 from __future__ import annotations
 

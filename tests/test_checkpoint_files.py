@@ -3,15 +3,16 @@ a read-only directory, leftover temporary files, pickles that run code (SIGKILL 
 demo detector: tests/test_kill_resume.py)."""
 from __future__ import annotations
 
+import builtins
 import ctypes
+import io
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import InfiniteToyLoader, ToyModel, regular_iters, toy_trainer
-from helpers import run_toy_train, start_and_wait_for_report
+from conftest import InfiniteToyLoader, ToyModel, fork_server_context, regular_iters, toy_trainer
+from helpers import run_toy_train_forked, run_toy_train_here, start_and_wait_for_report
 
 from pet.checkpoint import load_checkpoint, load_weights, read_last_checkpoint
 from pet.cli import build_trainer
@@ -19,16 +20,17 @@ from pet.utils import comm
 from pet.utils.errors import ConfigError
 
 
+@pytest.mark.slow
 def test_failed_checkpoint_write_keeps_the_previous_one_and_names_path_and_cause(tmp_path):
     """A write failing with EFBIG (RLIMIT_FSIZE, SIGXFSZ ignored), the disk-full case any user can cause."""
     ckpt = tmp_path / "run"
-    code, _, err = run_toy_train(ckpt, 4, "--interval", "2")
+    code, _, err = run_toy_train_here(ckpt, 4, "--interval", "2")
     assert code == 0, err
     previous = (ckpt / "model_iter4.pth").read_bytes()
-    # Resume with files capped one byte under a checkpoint's size: the one at iteration 6 cannot be written
-    # (the log and metrics.json stay far smaller).
+    # Resume (in a process of its own: the limit holds for a whole process) with files capped one byte under a
+    # checkpoint's size: the one at iteration 6 cannot be written (the log and metrics.json stay far smaller).
     limit = len(previous) - 1
-    code, _, err = run_toy_train(ckpt, 8, "--interval", "2", "--file-size-limit", str(limit))
+    code, _, err = run_toy_train_forked(ckpt, 8, "--interval", "2", "--file-size-limit", str(limit))
     assert code == 2
     assert err.strip().splitlines() == [
         f"Error: Could not write {ckpt}/model_iter6.pth: File too large. The previous checkpoint is intact; raise "
@@ -39,56 +41,78 @@ def test_failed_checkpoint_write_keeps_the_previous_one_and_names_path_and_cause
     assert sorted(f for f in os.listdir(ckpt) if f.endswith(".pth") or ".tmp" in f) == [
         "model_final.pth", "model_iter2.pth", "model_iter4.pth"]  # no partial or temporary file
 
-    code, out, err = run_toy_train(ckpt, 8, "--interval", "2")  # the limit lifted, the same command resumes
+    code, out, err = run_toy_train_here(ckpt, 8, "--interval", "2")  # the limit lifted, the same command resumes
     assert code == 0, err
     assert f"Resumed from {ckpt}/model_iter4.pth at iteration 4" in out
 
 
 def _obeying_permissions():
-    """``subprocess.Popen`` arguments for a child that obeys file permission bits, as any user's process does.
+    """The ``preexec`` (``helpers.run_toy_train_forked``) that makes a process obey file permission bits, as any
+    user's process does; None where this one obeys them already (a normal user).
 
-    root ignores them through CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH; dropped from the
-    bounding set before ``exec``, the child runs as root (it can still read the interpreter
-    under /root) without them. A process that lacks them already (a normal user) needs nothing.
+    root ignores them through CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH; :func:`_drop_permission_override`
+    gives both up in the process that calls it, which stays root otherwise.
     """
     try:
         with open("/proc/self/status", encoding="ascii") as f:
             effective = int(next(line for line in f if line.startswith("CapEff:")).split()[1], 16)
     except (OSError, StopIteration):
         effective = 0b110 if os.geteuid() == 0 else 0
-    return {"preexec_fn": _drop_permission_override} if effective & 0b110 else {}
+    return _drop_permission_override if effective & 0b110 else None
 
 
 def _drop_permission_override():
+    """CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH out of this process's effective and permitted sets (capset(2): a
+    process may always give capabilities up, and one no longer permitted cannot come back)."""
     libc = ctypes.CDLL(None, use_errno=True)
-    for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
-        if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
-            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3; 0: this process
+    sets = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable of capabilities 0-31, then of 32-63
+    if libc.capget(header, sets) != 0:
+        raise OSError(ctypes.get_errno(), "capget")
+    sets[0] &= ~0b110  # CAP_DAC_OVERRIDE (1), CAP_DAC_READ_SEARCH (2)
+    sets[1] &= ~0b110
+    if libc.capset(header, sets) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+
+
+def _write_probe(path, preexec) -> None:
+    """A forked process's attempt at writing ``path`` after ``preexec``: exit status 0 (written), 3 (refused: the
+    bits are obeyed) or 4 (``preexec`` failed)."""
+    try:
+        if preexec is not None:
+            preexec()
+    except OSError:
+        raise SystemExit(4) from None
+    try:
+        open(path, "w").close()
+    except PermissionError:
+        raise SystemExit(3) from None
 
 
 def _require_permissions_enforced(read_only_dir):
-    """Skip unless a child started with :func:`_obeying_permissions` really cannot write there."""
-    probe = os.path.join(read_only_dir, "probe")
-    try:
-        subprocess.run([sys.executable, "-c", f"open({probe!r}, 'w')"], capture_output=True, check=False,
-                       **_obeying_permissions())
-    except subprocess.SubprocessError as exc:  # prctl refused: root without CAP_SETPCAP
-        pytest.skip(f"cannot start a child that obeys permission bits here: {exc}")
-    if os.path.exists(probe):
-        pytest.skip("a child can write into a read-only directory here (capabilities beyond root's usual)")
+    """Skip unless a process given :func:`_obeying_permissions` really cannot write there."""
+    probe = fork_server_context().Process(target=_write_probe, args=(os.path.join(read_only_dir, "probe"),
+                                                                     _obeying_permissions()))
+    probe.start()
+    probe.join(timeout=300)
+    if probe.exitcode == 4:
+        pytest.skip("cannot make a process obey permission bits here (capset refused)")
+    if probe.exitcode != 3:
+        pytest.skip(f"a process can write into a read-only directory here (probe: exit status {probe.exitcode})")
 
 
+@pytest.mark.slow
 def test_a_read_only_checkpoint_directory_keeps_the_previous_checkpoint_and_says_what_to_do(tmp_path):
     """Permission denied for real (EACCES from the kernel): checkpoints go to a directory made read-only."""
     ckpt, out = tmp_path / "run", tmp_path / "checkpoints"
     opts = ("--interval", "2", "HOOKS.CHECKPOINT.OUT_DIR", str(out))
-    code, _, err = run_toy_train(ckpt, 2, *opts)
+    code, _, err = run_toy_train_here(ckpt, 2, *opts)
     assert code == 0, err
     previous = (out / "model_iter2.pth").read_bytes()
     out.chmod(0o555)
     try:
         _require_permissions_enforced(out)
-        code, _, err = run_toy_train(ckpt, 4, *opts, **_obeying_permissions())
+        code, _, err = run_toy_train_forked(ckpt, 4, *opts, preexec=_obeying_permissions())
     finally:
         out.chmod(0o755)
     assert code == 2
@@ -100,24 +124,25 @@ def test_a_read_only_checkpoint_directory_keeps_the_previous_checkpoint_and_says
     assert (out / "model_iter2.pth").read_bytes() == previous
     assert sorted(os.listdir(out)) == ["model_final.pth", "model_iter2.pth"]  # nothing partial or temporary
 
-    code, out_text, err = run_toy_train(ckpt, 4, *opts, **_obeying_permissions())  # writable again
+    code, out_text, err = run_toy_train_here(ckpt, 4, *opts)  # writable again
     assert code == 0, err
     assert f"Resumed from {out}/model_iter2.pth at iteration 2" in out_text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fresh", [True, False], ids=["new-run", "resume"])
 def test_a_read_only_ckpt_is_one_line_naming_it_and_what_to_do(tmp_path, fresh):
     ckpt = tmp_path / "run"
     if fresh:
         ckpt.mkdir()
     else:
-        code, _, err = run_toy_train(ckpt, 2, "--interval", "2")
+        code, _, err = run_toy_train_here(ckpt, 2, "--interval", "2")
         assert code == 0, err
     before = sorted(os.listdir(ckpt))
     ckpt.chmod(0o555)
     try:
         _require_permissions_enforced(ckpt)
-        code, _, err = run_toy_train(ckpt, 4, "--interval", "2", **_obeying_permissions())
+        code, _, err = run_toy_train_forked(ckpt, 4, "--interval", "2", preexec=_obeying_permissions())
     finally:
         ckpt.chmod(0o755)
     assert code == 2
@@ -135,22 +160,24 @@ def _no_space_line(disk) -> str:
 
 def test_a_disk_filling_up_mid_write_keeps_the_previous_checkpoint_and_says_what_to_do(tmp_path):
     """ENOSPC for any user: ``fault_plugins.FullDisk`` fills the checkpoint directory's disk from the resumed
-    run's start, at the file-object level (the next test fills a real tmpfs, which needs root)."""
+    run's start, at the file-object level (the next test fills a real tmpfs, which needs root). Nothing here needs a
+    process of its own: the runs are toy_train's, in this process."""
     ckpt, disk = tmp_path / "run", tmp_path / "disk"
     out_dir = ("--interval", "2", "HOOKS.CHECKPOINT.OUT_DIR", str(disk))
-    code, _, err = run_toy_train(ckpt, 2, *out_dir)
+    code, _, err = run_toy_train_here(ckpt, 2, *out_dir)
     assert code == 0, err
     previous = (disk / "model_iter2.pth").read_bytes()
 
     full = repr([{"type": "fault_plugins.FullDisk", "directory": str(disk)}])
-    code, _, err = run_toy_train(ckpt, 4, *out_dir, "HOOKS.CUSTOM", full)
+    code, _, err = run_toy_train_here(ckpt, 4, *out_dir, "HOOKS.CUSTOM", full)
+    assert builtins.open is io.open  # the plugin's after_train ran in the failed run: this process's files are safe
     assert code == 2
     assert err.strip().splitlines() == [_no_space_line(disk)]
     assert (ckpt / "last_checkpoint").read_text() == str(disk / "model_iter2.pth")
     assert (disk / "model_iter2.pth").read_bytes() == previous
     assert sorted(os.listdir(disk)) == ["model_final.pth", "model_iter2.pth"]  # no partial or temporary file
 
-    code, out, err = run_toy_train(ckpt, 4, *out_dir)  # space freed: the same command resumes
+    code, out, err = run_toy_train_here(ckpt, 4, *out_dir)  # space freed: the same command resumes
     assert code == 0, err
     assert f"Resumed from {disk}/model_iter2.pth at iteration 2" in out
 
@@ -165,7 +192,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_names_path_and_cause(tmp_
         pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {mounted.stderr.strip()}")
     try:
         out_dir = ("--interval", "2", "HOOKS.CHECKPOINT.OUT_DIR", str(disk))
-        code, _, err = run_toy_train(ckpt, 2, *out_dir)
+        code, _, err = run_toy_train_here(ckpt, 2, *out_dir)
         assert code == 0, err
         previous = torch.load(disk / "model_iter2.pth", weights_only=True)
         stats = os.statvfs(disk)
@@ -176,7 +203,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_names_path_and_cause(tmp_
                                 text=True)
         assert shrink.returncode == 0, shrink.stderr
 
-        code, _, err = run_toy_train(ckpt, 4, *out_dir)
+        code, _, err = run_toy_train_here(ckpt, 4, *out_dir)
         assert code == 2
         assert err.strip().splitlines() == [_no_space_line(disk)]
         assert (ckpt / "last_checkpoint").read_text() == str(disk / "model_iter2.pth")
@@ -186,7 +213,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_names_path_and_cause(tmp_
         assert all(torch.equal(v, reloaded["model"][k]) for k, v in previous["model"].items())
 
         subprocess.run(["mount", "-o", "remount,size=1m", str(disk)], check=True)  # space freed: resume
-        code, out, err = run_toy_train(ckpt, 4, *out_dir)
+        code, out, err = run_toy_train_here(ckpt, 4, *out_dir)
         assert code == 0, err
         assert f"Resumed from {disk}/model_iter2.pth at iteration 2" in out
     finally:
@@ -297,7 +324,7 @@ def test_resuming_from_a_checkpoint_that_would_run_code_is_one_line_and_runs_not
     ckpt.mkdir()
     save_checkpoint_that_runs_code(ckpt / "model_iter2.pth", marker)
     (ckpt / "last_checkpoint").write_text("model_iter2.pth")
-    code, _, err = run_toy_train(ckpt, 4)
+    code, _, err = run_toy_train_here(ckpt, 4)
     assert code == 2
     assert err.strip().splitlines() == [
         f"Error: Refusing to load {ckpt}/model_iter2.pth: it holds pickled objects other than tensors (global "
@@ -307,6 +334,7 @@ def test_resuming_from_a_checkpoint_that_would_run_code_is_one_line_and_runs_not
     assert not (ckpt / "model_iter4.pth").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, occurrence", [("model_iter4.pth", 1), ("last_checkpoint", 2)],
                          ids=["checkpoint", "last_checkpoint"])
 def test_sigkill_in_the_middle_of_a_checkpoint_write_leaves_the_previous_one_named_and_intact(tmp_path, name,
@@ -333,7 +361,7 @@ def test_sigkill_in_the_middle_of_a_checkpoint_write_leaves_the_previous_one_nam
     else:
         assert 0 < len(partial) < os.path.getsize(ckpt / "model_iter2.pth")
 
-    code, out, err = run_toy_train(ckpt, 6, "--interval", "2")  # the same command resumes from the complete one
+    code, out, err = run_toy_train_here(ckpt, 6, "--interval", "2")  # the same command resumes from the complete one
     assert code == 0, err
     assert f"Resumed from {ckpt}/model_iter2.pth at iteration 2" in out
     assert not os.path.exists(half_written)

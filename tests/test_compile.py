@@ -9,6 +9,7 @@ from pet.engine.trainer import Trainer
 from pet.utils.errors import ConfigError
 
 
+@pytest.mark.slow
 def test_compiled_submodule_trains_and_keeps_its_state_dict_keys(make_cfg):
     model = ToyModel()
     keys = list(model.state_dict())

@@ -26,9 +26,16 @@ def _opts(root: str, ckpt: str) -> list[str]:
     return [*tiny_set_opts(root, ckpt), "TRAIN.USE_TENSORBOARD", "True"]
 
 
+@pytest.mark.slow
 def test_train_then_test_writes_every_promised_file(end_to_end_set, tmp_path, monkeypatch, capsys):
+    """Both tools in this process: what they write is the point here; the tests below, and those of two processes
+    (test_distributed.py, test_multinode.py, test_worker_death.py), run them as a user's shell starts them."""
     ckpt = str(tmp_path / "run")
-    train = run_tool("train_net.py", "--cfg", DEMO_CFG, *_opts(end_to_end_set, ckpt))
+    # Training's precision is not measured (seconds): this test checks the test's, and test_distributed.py a
+    # training's (every rank follows rank 0's measurement).
+    train = run_tool_in_process(monkeypatch, capsys, "train_net.py", "--cfg", DEMO_CFG, *_opts(end_to_end_set, ckpt),
+                                "SOLVER.AMP.ENABLED", "False")
+    assert train.returncode == 0, train.stderr[-3000:]
     assert "Overall training speed" in train.stdout
     assert "M parameters" in train.stdout and "GFLOPs on a 256x256 image" in train.stdout
     for name in ("config.yaml", "log.txt", "metrics.json", "last_checkpoint", "model_iter4.pth", "model_final.pth"):
@@ -41,8 +48,9 @@ def test_train_then_test_writes_every_promised_file(end_to_end_set, tmp_path, mo
 
     # Six iterations learn little, so no score threshold: every proposal the model keeps is a detection,
     # and bbox.json, the COCO evaluation and the pictures are exercised on real model output, never on nothing.
-    test = run_tool("test_net.py", "--cfg", DEMO_CFG, "--vis", "3", *_opts(end_to_end_set, ckpt),
-                    "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.0")
+    test = run_tool_in_process(monkeypatch, capsys, "test_net.py", "--cfg", DEMO_CFG, "--vis", "3",
+                               *_opts(end_to_end_set, ckpt), "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.0")
+    assert test.returncode == 0, test.stderr[-3000:]
     assert "[Testing][range:1-8 of 8]" in test.stdout
     assert "GFLOPs" in test.stdout
     gt = COCO(os.path.join(end_to_end_set, "annotations", "val.json"))
@@ -79,7 +87,6 @@ def test_train_then_test_writes_every_promised_file(end_to_end_set, tmp_path, mo
         original = cv2.imread(os.path.join(end_to_end_set, "val", info["file_name"]))
         assert not np.array_equal(picture, original)  # drawn on
 
-    # The rescoring reads files, not a fresh interpreter's start-up: in this process.
     rescore = run_tool_in_process(monkeypatch, capsys, "test_net.py", "--cfg", DEMO_CFG, "--eval-only-results",
                                   os.path.join(ckpt, "test", "bbox.json"), *_opts(end_to_end_set, ckpt))
     assert rescore.returncode == 0, rescore.stderr
@@ -89,6 +96,7 @@ def test_train_then_test_writes_every_promised_file(end_to_end_set, tmp_path, mo
     assert rescored == pytest.approx(report["metrics"], nan_ok=True)
 
 
+@pytest.mark.slow
 def test_cli_rejects_an_unknown_key_with_one_line_and_creates_nothing(tmp_path):
     ckpt = tmp_path / "never"
     proc = run_tool("train_net.py", "--cfg", DEMO_CFG, "CKPT", str(ckpt), "SOLVER.BASE_RL", "0.1", check=False)
@@ -98,8 +106,10 @@ def test_cli_rejects_an_unknown_key_with_one_line_and_creates_nothing(tmp_path):
     assert not ckpt.exists()
 
 
-# Each test below runs its first case as a user's shell sees it (a fresh interpreter) and the others in this process:
-# the same code, without a start-up of seconds each.
+# The tests below run a case of each tool and of each stage an error can stop it at (reading the config, building
+# the trainer) as a user's shell sees it (a fresh interpreter: nothing else on stderr, the exit status) and the others
+# in this process: the same code, without a start-up of seconds each.
+@pytest.mark.slow
 def test_cli_missing_config_file_is_one_line_and_creates_nothing(tmp_path, monkeypatch, capsys):
     missing, ckpt = tmp_path / "missing.yaml", tmp_path / "never"
     for tool in ("test_net.py", "train_net.py"):
@@ -113,13 +123,12 @@ def test_cli_missing_config_file_is_one_line_and_creates_nothing(tmp_path, monke
 
 
 def test_cli_refuses_a_yaml_tag_that_would_run_code_with_one_line_and_runs_nothing(tmp_path, monkeypatch, capsys):
+    """Both in this process: the config is read where the tests above show each tool's one line to a shell."""
     marker, ckpt = tmp_path / "marker", tmp_path / "never"
     evil = tmp_path / "evil.yaml"
     evil.write_text(f"_BASE_: {DEMO_CFG}\nSOLVER:\n  BASE_LR: !!python/object/apply:os.system ['touch {marker}']\n")
     for tool in ("train_net.py", "test_net.py"):
-        args = ("--cfg", str(evil), "CKPT", str(ckpt))
-        proc = run_tool(tool, *args, check=False) if tool == "train_net.py" else \
-            run_tool_in_process(monkeypatch, capsys, tool, *args)
+        proc = run_tool_in_process(monkeypatch, capsys, tool, "--cfg", str(evil), "CKPT", str(ckpt))
         assert proc.returncode == 2, tool
         assert proc.stderr.strip().splitlines() == [
             f"Error: Unsafe YAML tag !!python/object/apply:os.system in {evil}:3:12: configs are read with "
@@ -162,11 +171,13 @@ BAD_HOOKS_AND_WRITERS = {  # case: (key, value, the start of the one line)
 }
 
 
+@pytest.mark.slow
 def test_a_bad_hook_or_writer_fails_before_anything_but_the_log_is_written(end_to_end_set, tmp_path, monkeypatch,
                                                                            capsys):
     for i, (case, (key, value, error)) in enumerate(BAD_HOOKS_AND_WRITERS.items()):
         ckpt = tmp_path / case
-        args = ("--cfg", DEMO_CFG, *_opts(end_to_end_set, str(ckpt)), key, value)
+        # No precision to measure (seconds, before the hooks are built): the hooks and writers are what is tested.
+        args = ("--cfg", DEMO_CFG, *_opts(end_to_end_set, str(ckpt)), "SOLVER.AMP.ENABLED", "False", key, value)
         proc = run_tool("train_net.py", *args, check=False) if i == 0 else \
             run_tool_in_process(monkeypatch, capsys, "train_net.py", *args)
         assert proc.returncode == 2, case

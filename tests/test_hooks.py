@@ -305,6 +305,7 @@ def _sync_worker(rank, init_file):
     return rank, model.running_mean.tolist(), model.running_var.tolist(), int(model.num_batches_tracked)
 
 
+@pytest.mark.slow
 def test_sync_buffers_averages_float_buffers_across_processes(tmp_path):
     results = run_two_ranks(_sync_worker, tmp_path / "init")
     for rank, mean, var, tracked in results:

@@ -19,13 +19,12 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import DEMO_CFG, run_tool
+from helpers import DEMO_CFG, run_tool_forked
 from helpers import tiny_set_opts as _opts
 
 from pet.data import generate_shapes
 from pet.engine.events import read_metrics
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
 MAX_ITER = 12
 INTERVAL = 2  # checkpoint period: a kill loses up to INTERVAL iterations, which the restart trains again
 SEED = int(os.environ.get("PET_KILL_SEED", "0"))
@@ -56,21 +55,22 @@ def _tensors(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     return {path: t for key, value in items for path, t in _tensors(value, f"{prefix}/{key}").items()}
 
 
-def test_sigkill_before_the_first_checkpoint_and_at_three_seeded_iterations_ends_bit_identical(small_shapes, tmp_path,
-                                                                                           monkeypatch):
+@pytest.mark.slow
+def test_sigkill_before_the_first_checkpoint_and_at_three_seeded_iterations_ends_bit_identical(small_shapes, tmp_path):
     kills = [INTERVAL, *sorted(random.Random(SEED).sample(range(INTERVAL + 1, MAX_ITER + 1), 3))]
     resumes = [(k - 1) // INTERVAL * INTERVAL for k in kills]  # the kill comes before iteration k's checkpoint
     print(f"PET_KILL_SEED={SEED}: SIGKILL after iterations {kills}; expected restarts at {resumes}")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
 
+    # Every run is a process of its own (forked from the session's fork server: the kills are real, the imports
+    # made once), so a restart starts from what the killed one left on disk, and nothing else.
     reference = tmp_path / "reference"
-    run_tool(*_train_command(small_shapes, str(reference)))
+    run_tool_forked(*_train_command(small_shapes, str(reference)))
 
     ckpt = tmp_path / "killed"
     command = _train_command(small_shapes, str(ckpt),
                              "HOOKS.CUSTOM", f"[{{'type': 'kill_plugins.KillAt', 'at': {kills}}}]")
     for k, resume in zip(kills, resumes):
-        proc = run_tool(*command, check=False)
+        proc = run_tool_forked(*command, check=False)
         assert proc.returncode == -signal.SIGKILL, f"not killed at {k}: {proc.returncode}\n{proc.stderr[-3000:]}"
         assert sorted(p.name for p in ckpt.glob("killed_at_*")) == sorted(f"killed_at_{j}" for j in kills if j <= k)
         if resume:
@@ -78,7 +78,7 @@ def test_sigkill_before_the_first_checkpoint_and_at_three_seeded_iterations_ends
         else:  # killed before the first checkpoint: nothing to resume, the same command starts over
             assert not (ckpt / "last_checkpoint").exists() and not list(ckpt.glob("*.pth"))
         assert not (ckpt / "model_final.pth").exists()
-    run_tool(*command)
+    run_tool_forked(*command)
 
     log = (ckpt / "log.txt").read_text(encoding="utf-8")
     assert re.findall(r"Resumed from (\S+) at iteration (\d+)", log) == [

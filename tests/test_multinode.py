@@ -22,7 +22,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import DEMO_CFG, ROOT, final_weights, run_tool, tiny_set_opts
+from helpers import DEMO_CFG, ROOT, final_weights, run_tool, run_tool_captured, run_tool_on_two_ranks, tiny_set_opts
 
 from pet.utils.launch_env import (
     expand_nodelist,
@@ -41,7 +41,8 @@ ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [TESTS
 def _opts(tiny_set: str, ckpt: str, *extra: str) -> list[str]:
     return [*tiny_set_opts(tiny_set, ckpt, max_iter=MAX_ITER, test_batch=1, display_iter=1, checkpoint_period=2),
             "DEVICE", "cpu", "SEED", "3", "HOOKS.EVAL.PERIOD", "0", "SOLVER.AMP.ENABLED", "False", "NUM_THREADS", "1",
-            "TEST.AMP.ENABLED", "False", "MODEL.FLOPS_INPUT_SIZE", "()", "TRAIN.USE_TENSORBOARD", "False", *extra]
+            "TEST.AMP.ENABLED", "False", "MODEL.FLOPS_INPUT_SIZE", "()", "TRAIN.USE_TENSORBOARD", "False",
+            "TRAIN.SAVE_AS_JSON", "False", *extra]  # no metrics.json, no curves: a second less per run
 
 
 def _free_port() -> int:
@@ -73,9 +74,11 @@ def _two_nodes(tool: str, ckpts: tuple[str, str], *args: str, max_restarts: int 
 
 @pytest.fixture(scope="module")
 def reference(tiny_set, tmp_path_factory) -> str:
-    """The uninterrupted run: one torchrun agent, two processes; its CKPT."""
+    """The uninterrupted run: two processes as torchrun starts them on one node (forked, not through an agent: the
+    weights are what the tests compare, and the agents are theirs); its CKPT."""
     ckpt = str(tmp_path_factory.mktemp("multinode") / "reference")
-    run_tool("train_net.py", "--cfg", DEMO_CFG, *_opts(tiny_set, ckpt), nproc=2, threads=1)
+    ranks = run_tool_on_two_ranks("train_net.py", "--cfg", DEMO_CFG, *_opts(tiny_set, ckpt))
+    assert [proc.returncode for proc in ranks] == [0, 0], ranks[0].stderr[-3000:] + ranks[1].stderr[-3000:]
     return ckpt
 
 
@@ -86,6 +89,7 @@ def _assert_same_weights(ckpt: str, reference: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------- two nodes, elastic
+@pytest.mark.slow
 def test_two_nodes_survive_a_killed_worker_and_end_as_one_uninterrupted_node(reference, tiny_set, tmp_path):
     """Rank 1 is SIGKILLed after iteration 3 (its checkpoint of iteration 2 complete): rank 0 stops with one line,
     both agents start a new round (--max-restarts 1) whose process group forms, and it resumes from
@@ -107,10 +111,12 @@ def test_two_nodes_survive_a_killed_worker_and_end_as_one_uninterrupted_node(ref
     _assert_same_weights(ckpt, reference)
 
 
+@pytest.mark.slow
 def test_two_node_test_net_writes_the_detections_of_one_process(reference, tiny_set, tmp_path):
     weights = os.path.join(reference, "model_final.pth")
-    one = str(tmp_path / "one")
-    run_tool("test_net.py", "--cfg", DEMO_CFG, *_opts(tiny_set, one), "TEST.WEIGHTS", weights, threads=1)
+    one = str(tmp_path / "one")  # one process: this one (the same code, the same single thread)
+    proc = run_tool_captured("test_net.py", "--cfg", DEMO_CFG, *_opts(tiny_set, one), "TEST.WEIGHTS", weights)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     two = str(tmp_path / "two")
     results = _two_nodes("test_net.py", (two, two), "--cfg", DEMO_CFG, *_opts(tiny_set, two)[2:],
                          "TEST.WEIGHTS", weights, "TEST.IMS_PER_BATCH", "2")  # one image per process, as above
@@ -123,23 +129,22 @@ def test_two_node_test_net_writes_the_detections_of_one_process(reference, tiny_
 
 
 # ---------------------------------------------------------------------------------------- SLURM without torchrun
+@pytest.mark.slow
 def test_processes_started_as_srun_starts_them_train_as_torchrun_does(reference, tiny_set, tmp_path):
+    """Two processes (forked, with srun's variables and none of torchrun's) that Pet joins by itself."""
     ckpt = str(tmp_path / "slurm")
     slurm = {"SLURM_NTASKS": "2", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "4242",
              "SLURM_TASKS_PER_NODE": "2", "MASTER_PORT": str(_free_port())}
-    environ = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "train_net.py"), "--cfg", DEMO_CFG,
-                               *_opts(tiny_set, ckpt)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**environ, **ENV, **slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)})
-             for r in range(2)]
-    results = _finish(procs)
-    assert [code for code, _ in results] == [0, 0], results[0][1][-3000:]
+    ranks = run_tool_on_two_ranks("train_net.py", "--cfg", DEMO_CFG, *_opts(tiny_set, ckpt),
+                                  env=[{**slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)} for r in range(2)])
+    assert [proc.returncode for proc in ranks] == [0, 0], ranks[0].stderr[-3000:] + ranks[1].stderr[-3000:]
     with open(os.path.join(ckpt, "log.txt")) as f:
         assert "2 processes on 1 node(s), launched by slurm" in f.read()
     _assert_same_weights(ckpt, reference)
 
 
 # ---------------------------------------------------------------------------------------- one clear line
+@pytest.mark.slow
 def test_a_node_that_sees_another_ckpt_stops_every_rank_naming_it(reference, tiny_set, tmp_path):
     """Node A resumes from a copy of the reference run, node B's CKPT is an empty folder (not the shared one)."""
     shared, other = str(tmp_path / "shared"), str(tmp_path / "not_shared")
@@ -156,6 +161,7 @@ def test_a_node_that_sees_another_ckpt_stops_every_rank_naming_it(reference, tin
     assert sorted(os.listdir(other)) in (["log.txt"], ["log.txt.rank1"])  # nothing trained or saved there
 
 
+@pytest.mark.slow
 def test_a_hung_rank_ends_the_run_after_dist_timeout(tiny_set, tmp_path):
     ckpt = str(tmp_path / "hang")
     sleep = "[{'type': 'kill_plugins.SleepAt', 'at': 2, 'rank': 1, 'seconds': 12}]"

@@ -9,6 +9,7 @@ The machine's own answer is checked against its flags read independently, from /
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -52,34 +53,65 @@ def child_env(emulation: str) -> dict[str, str]:
     return {**env, **EMULATIONS[emulation]}
 
 
-def train_toy_on(emulation: str, ckpt, *opts: str) -> str:
-    """Train the toy model for 2 iterations in a child that sees ``emulation``'s CPU class; return its log."""
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tests", "toy_train.py"), "--ckpt", str(ckpt), "--max-iter", "2", *opts],
-        env=child_env(emulation), capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    with open(os.path.join(ckpt, "log.txt"), encoding="utf-8") as f:
-        return f.read()
+# One child per emulation (the caps are read when torch and oneDNN start): what Pet reports for that CPU class, then
+# the toy model trained 2 iterations with SOLVER.AMP.ENABLED auto, then with True (auto first: True's warning is
+# logged once per process), each run writing its own log (and no metrics.json: its curves cost the child a second).
+EMULATED_CHILD = r"""
+import json, runpy, sys
+sys.path.insert(0, sys.argv[1])  # tests/, for toy_train's imports
+from pet.utils.cpu import cpu_class, cpu_has_native
+print(cpu_class(), cpu_has_native("bfloat16"), flush=True)
+for argv in json.loads(sys.argv[2]):
+    sys.argv = argv
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exc:
+        if exc.code:
+            raise
+"""
+RUNS = {"auto": ("TRAIN.SAVE_AS_JSON", "False"),
+        "explicit": ("TRAIN.SAVE_AS_JSON", "False", "SOLVER.AMP.ENABLED", "True", "TEST.AMP.ENABLED", "False")}
 
 
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """``emulated(name)``: for the emulation ``name``, what its child printed (``reported``: Pet's CPU class and
+    native-bfloat16 answer) and the log of each toy training of :data:`RUNS`, from one child started once."""
+    children: dict[str, dict[str, str]] = {}
+
+    def run(emulation: str) -> dict[str, str]:
+        if emulation not in children:
+            base = tmp_path_factory.mktemp(emulation)
+            toy_train = os.path.join(ROOT, "tests", "toy_train.py")
+            argv = [[toy_train, "--ckpt", str(base / name), "--max-iter", "2", *opts] for name, opts in RUNS.items()]
+            proc = subprocess.run([sys.executable, "-c", EMULATED_CHILD, os.path.join(ROOT, "tests"), json.dumps(argv)],
+                                  env=child_env(emulation), capture_output=True, text=True, timeout=300, cwd=ROOT)
+            assert proc.returncode == 0, proc.stderr
+            children[emulation] = {"reported": proc.stdout.splitlines()[0]}
+            for name in RUNS:
+                with open(base / name / "log.txt", encoding="utf-8") as f:
+                    children[emulation][name] = f.read()
+        return children[emulation]
+
+    return run
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("emulation", list(EMULATIONS))
-def test_emulated_cpu_classes_report_no_native_bf16(emulation):
+def test_emulated_cpu_classes_report_no_native_bf16(emulated, emulation):
     """The emulations the tests below rely on: torch and Pet see the class they stand for."""
-    code = "from pet.utils.cpu import cpu_class, cpu_has_native; print(cpu_class(), cpu_has_native('bfloat16'))"
-    out = subprocess.run([sys.executable, "-c", code], env=child_env(emulation), capture_output=True,
-                         text=True, check=True, cwd=ROOT).stdout.strip()
     # An AVX2-only machine stays AVX2 under the AVX-512 cap (a cap removes instructions, never adds them).
     expected = emulation if {"avx512f", "avx512bw"} <= cpuinfo_flags() else "AVX2"
-    assert out == f"{expected} False"
+    assert emulated(emulation)["reported"] == f"{expected} False"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("emulation, because", [
     ("AVX2", "ONEDNN_MAX_CPU_ISA=AVX2 holds oneDNN below AVX512_CORE_BF16"),
     ("AVX-512", "ONEDNN_MAX_CPU_ISA=AVX512_CORE holds oneDNN below AVX512_CORE_BF16"),
 ])
-def test_auto_trains_in_float32_on_a_cpu_without_native_bf16_and_logs_why(tmp_path, emulation, because):
-    log = train_toy_on(emulation, tmp_path / "run")
+def test_auto_trains_in_float32_on_a_cpu_without_native_bf16_and_logs_why(emulated, emulation, because):
+    log = emulated(emulation)["auto"]
     line = next(line for line in log.splitlines() if "Training precision:" in line)
     assert "Training precision: float32 (no autocast): SOLVER.AMP.ENABLED auto and this CPU has" in line
     assert "so bfloat16 would be emulated, many times slower than float32" in line
@@ -89,9 +121,10 @@ def test_auto_trains_in_float32_on_a_cpu_without_native_bf16_and_logs_why(tmp_pa
     assert WARNING not in log
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("emulation", list(EMULATIONS))
-def test_explicit_true_on_a_cpu_without_native_bf16_runs_bf16_and_warns_once(tmp_path, emulation):
-    log = train_toy_on(emulation, tmp_path / "run", "SOLVER.AMP.ENABLED", "True", "TEST.AMP.ENABLED", "False")
+def test_explicit_true_on_a_cpu_without_native_bf16_runs_bf16_and_warns_once(emulated, emulation):
+    log = emulated(emulation)["explicit"]
     assert "Training precision: bfloat16 autocast: SOLVER.AMP.ENABLED True" in log
     assert log.count(WARNING) == 1
     assert "Set SOLVER.AMP.ENABLED auto (or False)" in log

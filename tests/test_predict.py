@@ -19,7 +19,6 @@ import os
 import shutil
 import signal
 import struct
-import subprocess
 import sys
 import zlib
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from helpers import (
     custom_datasets,
     detections_of_test_net_and_predict,
     run_tool,
+    run_tool_forked,
     run_tool_in_process,
 )
 
@@ -100,6 +100,7 @@ def write_scene(path: str, size: tuple[int, int], boxes: list[tuple[int, int, in
 
 
 # ------------------------------------------------------------------------------------------ exactness
+@pytest.mark.numeric
 def test_a_folder_gives_exactly_test_nets_detections_at_its_batch_size(demo, tmp_path):
     """Same model, precision (TEST.AMP auto), transform and padded batches of 4 (6 images: 4 + 2) as test_net."""
     cfg = load_cfg(DEMO_CFG, [*demo.opts, "TEST.WEIGHTS", demo.weights, "TEST.IMS_PER_BATCH", "4"])
@@ -109,7 +110,9 @@ def test_a_folder_gives_exactly_test_nets_detections_at_its_batch_size(demo, tmp
 
 
 # ------------------------------------------------------------------------------------------ the command line
-def test_every_format_mirrors_sub_folders_names_classes_from_the_model_and_skips_a_broken_image(demo, tmp_path):
+def test_every_format_mirrors_sub_folders_names_classes_from_the_model_and_skips_a_broken_image(demo, tmp_path,
+                                                                                              monkeypatch, capsys):
+    """In this process (the same code; test_bad_input_is_one_line... shows a shell's view of predict.py)."""
     images = tmp_path / "in"
     for folder, names in (("a", ["000001", "000002"]), ("b", ["000001"])):
         (images / folder).mkdir(parents=True)
@@ -117,9 +120,10 @@ def test_every_format_mirrors_sub_folders_names_classes_from_the_model_and_skips
             shutil.copy(f"{demo.val_dir}/00000{i + 1 if folder == 'a' else 3}.jpg", images / folder / f"{name}.jpg")
     (images / "b" / "broken.jpg").write_bytes(b"not a jpeg")
     out = tmp_path / "out"
-    run = run_tool("predict.py", "--cfg", DEMO_CFG, "--input", images, "--output", out, "--save",
-                   "csv,coco,json,yolo,vis,crops", "--batch", "2", "--score-thresh", "0.3", *demo.opts,
-                   "TEST.WEIGHTS", demo.renamed)
+    run = run_tool_in_process(monkeypatch, capsys, "predict.py", "--cfg", DEMO_CFG, "--input", images, "--output",
+                              out, "--save", "csv,coco,json,yolo,vis,crops", "--batch", "2", "--score-thresh", "0.3",
+                              *demo.opts, "TEST.WEIGHTS", demo.renamed)
+    assert run.returncode == 0, run.stderr[-3000:]
     assert f"Skipped {images}/b/broken.jpg: Cannot decode image" in run.stdout
     assert "Predicted 3 pictures, 1 unreadable skipped" in run.stdout
     assert "it/s" not in run.stderr and "img/s" not in run.stderr  # no progress bar when stderr is not a terminal
@@ -159,6 +163,7 @@ def test_every_format_mirrors_sub_folders_names_classes_from_the_model_and_skips
     assert f"{first['name']}/a/000001_0.jpg" in crops
 
 
+@pytest.mark.numeric
 def test_a_score_threshold_below_the_models_gives_the_same_detections_from_python_as_from_the_command_line(
         demo, tmp_path, monkeypatch, capsys):
     """--score-thresh below the model's SCORE_THRESH_TEST lowers it, so the model keeps those detections; the
@@ -188,6 +193,7 @@ def test_a_score_threshold_below_the_models_gives_the_same_detections_from_pytho
     assert cfg.MODEL.ROI_HEADS.SCORE_THRESH_TEST == 0.54
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_status_2_before_any_work(demo, tmp_path, monkeypatch, capsys):
     """The first case as a user's shell sees it (a fresh interpreter), the others in this process (the same code,
     without a start-up of seconds each)."""
@@ -505,12 +511,14 @@ with PredictionWriter({out!r}, ["csv", "coco", "json", "yolo", "vis"], predictor
 """
 
 
+@pytest.mark.slow
 def test_a_run_killed_half_way_leaves_only_complete_files(tmp_path):
     for i in range(10):
         write_scene(str(tmp_path / f"{i}.png"), (64, 64), [(10, 10, 30 + i, 40)])
     out = tmp_path / "out"
-    code = _KILLED_RUN.format(tests=os.path.join(ROOT, "tests"), src=str(tmp_path), out=str(out))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    script = tmp_path / "killed_run.py"  # a process of its own, forked from the session's fork server
+    script.write_text(_KILLED_RUN.format(tests=os.path.join(ROOT, "tests"), src=str(tmp_path), out=str(out)))
+    proc = run_tool_forked(str(script), check=False)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     files = [p for p in out.rglob("*") if p.is_file() and not p.name.startswith(".")]
     assert {p.name for p in files} >= {"0.json", "4.json", "0.txt", "4.png", "data.yaml"}

@@ -11,6 +11,7 @@ images, which is what per-process BN means, so 1 image and 2 images differ by de
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import run_two_ranks
 from helpers import detector_batch
@@ -19,6 +20,8 @@ from torchvision.ops import FrozenBatchNorm2d
 
 from pet.engine.trainer import Trainer
 from pet.modeling import build_model
+
+pytestmark = pytest.mark.numeric
 
 ITERATIONS = 2
 
@@ -60,6 +63,7 @@ def _rank_worker(rank, init_file):
     return rank, {name: value.tolist() for name, value in weights.items()}
 
 
+@pytest.mark.slow
 def test_two_processes_of_one_image_train_as_one_process_of_two(tmp_path):
     """Same weights within 1e-5 (float32; only the order of the sums differs) after 2 iterations."""
     torch.set_num_threads(1)

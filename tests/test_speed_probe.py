@@ -247,6 +247,7 @@ def _decide_on_each_rank(rank: int, init_file, cache_dir: str) -> tuple[int, str
     return rank, chosen.name
 
 
+@pytest.mark.slow
 def test_in_a_distributed_run_rank_0_decides_for_every_rank(tmp_path):
     results = run_two_ranks(_decide_on_each_rank, tmp_path / "init", str(tmp_path / "cache"))
     assert results == [(0, "bfloat16"), (1, "bfloat16")]
@@ -287,6 +288,7 @@ print(json.dumps({"chosen": chosen.name, "reason": chosen.reason,
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("caps", [{}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}], ids=["native", "no-AMX"])
 def test_on_this_cpu_auto_agrees_with_a_direct_measurement(tmp_path, caps):
     """Natively and with AMX held down (on an AMX machine: the class whose bfloat16 is slower than float32), the

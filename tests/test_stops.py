@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import IndexedToyLoader, NanLossModel, ToyModel, regular_iters, run_two_ranks, toy_trainer
-from helpers import final_weights, run_toy_train, start_and_wait_for_report
+from helpers import final_weights, run_toy_train_here, start_and_wait_for_report
 
 from pet.checkpoint import read_last_checkpoint
 from pet.config import load_cfg
@@ -21,6 +21,7 @@ from pet.utils import comm
 from pet.utils.errors import TrainingInterrupted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_sigterm_saves_a_checkpoint_and_resume_continues_from_it(tmp_path, signum):
     ckpt, stopped_at = tmp_path / "run", 5
@@ -41,7 +42,7 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues_from_it(tmp_path, signu
     assert (ckpt / "writer_closed.txt").read_text() == str(stopped_at)
     assert read_metrics(str(ckpt / "metrics.json"))[-1]["iteration"] == stopped_at
 
-    code, out, err = run_toy_train(ckpt, stopped_at + 3)
+    code, out, err = run_toy_train_here(ckpt, stopped_at + 3)  # the stop needed a process; the resume does not
     assert code == 0, err
     assert f"Resumed from {ckpt}/model_iter{stopped_at}.pth at iteration {stopped_at}" in out
     iterations = [r["iteration"] for r in read_metrics(str(ckpt / "metrics.json"))]
@@ -101,7 +102,7 @@ def test_signal_checkpoint_without_a_checkpoint_hook_goes_to_ckpt(make_cfg):
 
 def test_nan_loss_stops_naming_iteration_and_term_and_keeps_last_checkpoint(tmp_path):
     ckpt = tmp_path / "run"
-    code, _, err = run_toy_train(ckpt, 20, "--nan-at", "7", "--interval", "2")
+    code, _, err = run_toy_train_here(ckpt, 20, "--nan-at", "7", "--interval", "2")
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1
@@ -143,6 +144,7 @@ def _nonfinite_worker(rank, init_file, opts):
     return rank, outcome, trainer.iter, trainer.train_step.nonfinite_skipped
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("skip, expected", [
     (True, ("finished", 6, 1)),
     (False, ("TrainingError: Non-finite loss at iteration 3: loss_l1=nan", 2, 0)),
@@ -175,6 +177,7 @@ def _signal_worker(rank, init_file, opts):
     return rank, outcome, trainer.iter
 
 
+@pytest.mark.slow
 def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     """The signal travels in the step's reduction: no rank waits in a collective the others never join."""
     opts = ["CKPT", str(tmp_path / "run"), "DEVICE", "cpu", "SOLVER.MAX_ITER", "8", "SOLVER.BASE_LR", "0.01",
@@ -187,7 +190,7 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
 
 def test_skip_nonfinite_skips_and_counts(tmp_path):
     ckpt = tmp_path / "run"
-    code, out, err = run_toy_train(ckpt, 10, "--nan-at", "4", "SOLVER.SKIP_NONFINITE", "True")
+    code, out, err = run_toy_train_here(ckpt, 10, "--nan-at", "4", "SOLVER.SKIP_NONFINITE", "True")
     assert code == 0, err
     assert "Non-finite loss at iteration 4 (loss_l1=nan); step skipped (1 skipped so far)" in out
     last = read_metrics(str(ckpt / "metrics.json"))[-1]

@@ -139,6 +139,7 @@ def test_auto_resume_from_python_continues_a_stopped_run_bit_identically(make_cf
         assert torch.equal(a, b), name
 
 
+@pytest.mark.numeric
 def test_precise_bn_estimates_on_the_callers_loader(make_cfg):
     """With a caller's loader, HOOKS.PRECISE_BN draws from it (not from TRAIN.DATASETS): the BN mean becomes the
     mean of those batches."""
