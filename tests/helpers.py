@@ -329,18 +329,12 @@ def start_toy_train(ckpt: Any, max_iter: int, *args: str, **popen: Any) -> subpr
                             stderr=subprocess.PIPE, text=True, **popen)
 
 
-def run_toy_train(ckpt: Any, max_iter: int, *args: str, **popen: Any) -> tuple[int, str, str]:
-    """``tests/toy_train.py`` to the end: (exit status, stdout, stderr)."""
-    proc = start_toy_train(ckpt, max_iter, *args, **popen)
-    out, err = proc.communicate(timeout=300)
-    return proc.returncode, out, err
-
-
 def run_toy_train_here(ckpt: Any, max_iter: int, *args: str) -> tuple[int, str, str]:
-    """:func:`run_toy_train` in this process, without a fresh interpreter's ~4 s of imports: (exit status, stdout,
-    stderr), the same command line and the same code. For the runs around a fault (the one that sets a checkpoint up,
-    the one that resumes after it) and for faults that need no process of their own; a fault that does (a signal,
-    a kill, a file-size limit, dropped capabilities) runs through :func:`run_toy_train_forked`."""
+    """``tests/toy_train.py`` to the end in this process, without a fresh interpreter's ~4 s of imports: (exit
+    status, stdout, stderr), the same command line and the same code. For the runs around a fault (the one that
+    sets a checkpoint up, the one that resumes after it) and for faults that need no process of their own; a
+    fault that does (a signal, a kill, a file-size limit, dropped capabilities) runs through
+    :func:`run_toy_train_forked`."""
     assert "--file-size-limit" not in args, "a file-size limit would hold for this whole process"
     proc = run_tool_captured(TOY_TRAIN, "--ckpt", ckpt, "--max-iter", max_iter, *args)
     return proc.returncode, proc.stdout, proc.stderr
@@ -348,9 +342,9 @@ def run_toy_train_here(ckpt: Any, max_iter: int, *args: str) -> tuple[int, str, 
 
 def run_toy_train_forked(ckpt: Any, max_iter: int, *args: str,
                          preexec: Callable[[], None] | None = None) -> tuple[int, str, str]:
-    """:func:`run_toy_train` in a process of its own forked from the session's fork server (:func:`run_tool_forked`):
-    (exit status, stdout, stderr). For a fault that needs a process (a limit, a signal, fewer capabilities), not a
-    fresh interpreter."""
+    """``tests/toy_train.py`` to the end in a process of its own, forked from the session's fork server
+    (:func:`run_tool_forked`): (exit status, stdout, stderr). For a fault that needs a process (a limit, a
+    signal, fewer capabilities), not a fresh interpreter."""
     proc = run_tool_forked(TOY_TRAIN, "--ckpt", ckpt, "--max-iter", max_iter, *args, check=False, preexec=preexec)
     return proc.returncode, proc.stdout, proc.stderr
 
