@@ -1,9 +1,8 @@
-"""What the entry points (tools/*.py) share: argument parsing, set-up, building the trainer or the
-test model from the config, and clean failure.
+"""What the entry points (tools/*.py) share: argument parsing, set-up, building the trainer from the config,
+and clean failure (a model for inference: :func:`pet.predict.loading.load_inference_model`).
 
 Outside :mod:`pet.engine`: it sets up a whole process (config, process group, logging, datasets) for a
-command. Only tools/ import it; the library's own modules never do (docs/design.md). ``build_test_model``
-lives in :mod:`pet.engine.build` and is offered here too, beside ``build_trainer``.
+command. Only tools/ import it; the library's own modules never do (docs/design.md).
 """
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ from fvcore.common.config import CfgNode
 from pet.config import load_cfg
 from pet.data import register_custom_datasets
 from pet.data.workers import WORKER_DIED_EXIT_CODE, remedy, worker_death
-from pet.engine.build import build_test_model
 from pet.engine.models import resolve_device, unwrap_model
 from pet.engine.trainer import Trainer
 from pet.utils import comm
@@ -40,7 +38,6 @@ __all__ = [
     "default_argument_parser",
     "default_setup",
     "build_trainer",
-    "build_test_model",
     "launch_cli",
     "init_distributed",
     "distributed_backend",

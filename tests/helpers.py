@@ -383,7 +383,8 @@ def final_weights(ckpt: Any) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------------------------------------ docs
 # The pages users read, README first: their examples are code users copy, so tests run them as written.
-DOC_PAGES = (Path(ROOT) / "README.md", *sorted((Path(ROOT) / "docs").glob("*.md")))
+DOC_PAGES = (Path(ROOT) / "README.md", *sorted((Path(ROOT) / "docs").glob("*.md")),
+             *sorted((Path(ROOT) / "docs" / "benchmarks").glob("*.md")))
 
 
 def doc_blocks(language: str) -> list[str]:

@@ -3,15 +3,13 @@ compares must be built, with Pet's shipped configs, so that both sides hold exac
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 from helpers import ROOT
 
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-from benchmarks.detectors import ARCHS, _model_pair  # noqa: E402
-from benchmarks.rtdetr import _pair, _scene  # noqa: E402
+from tools.benchmarks.detectors import ARCHS, _model_pair
+from tools.benchmarks.rtdetr import _pair, _scene
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

@@ -18,10 +18,9 @@ from helpers import CFGS, custom_datasets, detector_batch, run_tool_here
 from test_export import randomize_norms, rescale_output
 
 from pet.config import load_cfg
-from pet.deploy.graph import build_graph
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel
 from pet.deploy.parity import check_parity, parity_batches
-from pet.modeling import CascadeMaskRCNN, CascadeRCNN, build_model
+from pet.modeling import CascadeMaskRCNN, CascadeRCNN, build_export_graph, build_model
 from pet.modeling.cascade_roi_heads import scale_gradient
 from pet.utils.errors import ConfigError
 
@@ -102,7 +101,7 @@ def test_one_roi_through_the_three_stages_gives_the_hand_computed_box_and_mean_s
         features = features_of(model, (128, 128))
         roi = torch.tensor([[10.0, 10.0, 40.0, 30.0]])
         (detection,), _ = heads(features, [roi], [(128, 128)])
-        graph = build_graph(model, torch.zeros(1, 3, 128, 128, dtype=torch.uint8), [(128, 128)])
+        graph = build_export_graph(model, torch.zeros(1, 3, 128, 128, dtype=torch.uint8), [(128, 128)])
         graph_boxes, graph_scores = graph.box_predictions(features, torch.cat([torch.zeros(1, 1), roi], 1),
                                                           torch.tensor([[128, 128]]))
     expected_box = torch.tensor([[25.0, 30.0, 85.0, 50.0]])

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 from pycocotools.coco import COCO
+from synthetic_coco import synthetic_detections, synthetic_ground_truth
 
 from pet.config import load_cfg
 from pet.evaluation import COCOEvaluator
 from pet.evaluation import backends as backends_module
-from pet.evaluation.backends import resolve_backend, run_cocoeval
-from pet.evaluation.synthetic import synthetic_detections, synthetic_ground_truth
+from pet.evaluation.backends import resolve_coco_library, run_cocoeval
 from pet.utils.errors import ConfigError
 
 needs_faster = pytest.mark.skipif(importlib.util.find_spec("faster_coco_eval") is None,
@@ -162,14 +162,14 @@ def test_faster_leaves_the_datasets_ground_truth_as_it_was(shapes_gt):
 
 def test_auto_picks_faster_when_installed_and_pycocotools_otherwise(monkeypatch):
     monkeypatch.setattr(backends_module, "faster_available", lambda: True)
-    assert resolve_backend("auto") == "faster"
-    assert resolve_backend("pycocotools") == "pycocotools"
+    assert resolve_coco_library("auto") == "faster"
+    assert resolve_coco_library("pycocotools") == "pycocotools"
     monkeypatch.setattr(backends_module, "faster_available", lambda: False)
-    assert resolve_backend("auto") == "pycocotools"
+    assert resolve_coco_library("auto") == "pycocotools"
     with pytest.raises(ConfigError, match="pip install faster-coco-eval"):
-        resolve_backend("faster")
+        resolve_coco_library("faster")
     with pytest.raises(ConfigError, match="TEST.COCO_BACKEND must be one of"):
-        resolve_backend("fast")
+        resolve_coco_library("fast")
 
 
 @pytest.mark.parametrize("opts, message", [

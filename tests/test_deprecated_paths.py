@@ -61,7 +61,7 @@ def fresh_import() -> subprocess.CompletedProcess:
     """Every package of Pet imported in one fresh interpreter where a DeprecationWarning from Pet is an error; it
     prints the modules loaded. The tests of deprecated names and of deprecated paths share it: the imports are
     the slow part."""
-    code = ("import sys, pet.cli, pet.config, pet.data, pet.engine, pet.engine.hooks, pet.engine.trackers, "
+    code = ("import sys, pet.cli, pet.config, pet.data, pet.engine, pet.engine.hooks, pet.engine.experiment_trackers, "
             "pet.evaluation, pet.modeling, pet.predict, pet.deploy, pet.checkpoint; "
             "print(' '.join(sorted(sys.modules)))")
     return subprocess.run([sys.executable, "-W", "error::DeprecationWarning:pet", "-c", code], capture_output=True,
@@ -90,14 +90,48 @@ def test_a_moved_module_path_warns_and_gives_the_same_objects(old, monkeypatch):
     assert getattr(module, name) is getattr(importlib.import_module(new), name)
 
 
-def test_the_changelog_lists_every_moved_module_path():
+# Module paths renamed after 0.2.0 (until 0.4.0) because their names said something else: old module -> (new module,
+# a name both offer). Experiment trackers are no object tracking; a test_*.py module reads as a pytest file; an
+# export graph is what a detector is (the detector contract), not deployment's.
+RENAMED = {
+    "pet.engine.trackers": ("pet.engine.experiment_trackers", "WandbWriter"),
+    "pet.engine.hooks.test_hook": ("pet.engine.hooks.inference_speed", "TestHook"),
+    "pet.deploy.graph": ("pet.modeling.export_graph", "TwoStageGraph"),
+}
+
+
+@pytest.mark.parametrize("old", sorted(RENAMED))
+def test_a_renamed_module_path_warns_naming_the_new_path_and_the_release_that_removes_it(old, monkeypatch):
+    new, name = RENAMED[old]
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    with pytest.warns(DeprecationWarning, match=rf"^{re.escape(old)} is now {re.escape(new)}\b.*Pet 0\.4\.0$"):
+        module = importlib.import_module(old)
+    assert getattr(module, name) is getattr(importlib.import_module(new), name)
+
+
+def _deprecated_until(release: str) -> str:
+    """The changelog's Deprecated sections of what goes in ``release`` (``### Deprecated (... removed in X)``)."""
     with open(os.path.join(ROOT, "CHANGELOG.md"), encoding="utf-8") as f:
-        deprecated = f.read().split("### Deprecated", 1)[1].split("###", 1)[0]
-    for old in MOVED:
-        assert f"`{old}`" in deprecated, old
+        sections = re.findall(r"^### Deprecated \(([^)]*)\)$(.*?)(?=^##)", f.read(), flags=re.M | re.S)
+    return "".join(body for heading, body in sections if heading.endswith(f"removed in {release}"))
+
+
+@pytest.mark.parametrize("paths, release", [(MOVED, "0.3.0"), (RENAMED, "0.4.0")], ids=["moved", "renamed"])
+def test_the_changelog_lists_every_old_module_path_with_the_release_that_removes_it(paths, release):
+    deprecated = _deprecated_until(release)
+    for old, (new, _) in paths.items():
+        assert f"`{old}`" in deprecated and f"`{new}" in deprecated, old
 
 
 def test_pet_itself_imports_no_deprecated_path(fresh_import):
     """None of the old paths is among the modules loaded."""
     assert fresh_import.returncode == 0, fresh_import.stderr[-3000:]
-    assert not set(MOVED) & set(fresh_import.stdout.split())
+    assert not (set(MOVED) | set(RENAMED)) & set(fresh_import.stdout.split())
+
+
+def test_the_coco_librarys_old_resolver_name_warns_and_resolves_the_same():
+    """``resolve_backend`` also named deploy's runtime choice; the COCO library's is ``resolve_coco_library``."""
+    from pet.evaluation import backends
+
+    with pytest.warns(DeprecationWarning, match=r"resolve_coco_library.*Pet 0\.4\.0"):
+        assert backends.resolve_backend("pycocotools") == backends.resolve_coco_library("pycocotools")

@@ -23,11 +23,11 @@ import pytest
 import torch
 from helpers import data_cfg, write_coco
 from pycocotools.coco import COCO
+from synthetic_coco import synthetic_detections, synthetic_ground_truth
 
 from pet.engine.inference import evaluate_on_datasets
 from pet.evaluation.backends import run_cocoeval
 from pet.evaluation.diagnostics import confusion_matrix, error_breakdown, match_detections
-from pet.evaluation.synthetic import synthetic_detections, synthetic_ground_truth
 
 GT_BOXES = {  # image id -> [(category id, XYWH, iscrowd)]
     1: [(1, [10, 10, 20, 20], 0), (1, [50, 50, 20, 20], 0), (2, [10, 60, 20, 20], 0)],

@@ -23,6 +23,7 @@ from pet.engine.hooks import (
     TrainHook,
     get_priority,
 )
+from pet.engine.loops import EpochLoop, IterationLoop
 from pet.engine.trainer import Trainer
 from pet.utils.errors import ConfigError
 
@@ -374,3 +375,18 @@ def test_metrics_json_iteration_counts_completed_iterations(make_cfg):
     with open(os.path.join(trainer.output_dir, "metrics.json")) as f:
         iterations = [json.loads(line)["iteration"] for line in f]
     assert iterations == [1, 2, 3, 4, 5]
+
+
+def test_one_rule_for_periods_in_either_unit_and_from_any_start():
+    """TrainLoop.ends_period is what every hook asks: in the mode's unit by default, in iterations or epochs when
+    the hook counts those (PeriodicWriter, CheckpointHook BY_EPOCH), from a first period's end (SAVE_BEGIN)."""
+    epochs = EpochLoop([0] * 4, accum_steps=1, max_epochs=6)  # 4 iterations per epoch
+    assert [i for i in range(1, 25) if epochs.ends_period(i, 2)] == [8, 16, 24]
+    assert [i for i in range(1, 13) if epochs.ends_period(i, 5, "iter")] == [5, 10]
+    assert [i for i in range(1, 25) if epochs.ends_period(i, 2, "epoch", start=1)] == [4, 12, 20]
+    assert (epochs.completed(12), epochs.completed(13, "iter")) == (3, 13)
+    iterations = IterationLoop([0], accum_steps=1, max_iter=10)
+    assert [i for i in range(1, 11) if iterations.ends_period(i, 3, start=2)] == [2, 5, 8]
+    assert not any(iterations.ends_period(i, 0) for i in range(1, 11))
+    with pytest.raises(ConfigError, match="epoch mode"):
+        iterations.ends_period(4, 1, "epoch")

@@ -23,8 +23,8 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from against_reference import Tolerance, detection_tensors, match_detections
 from helpers import CFGS, custom_datasets, run_tool_captured, run_tool_here
-from parity import Tolerance, detection_tensors, match_detections
 from torchvision.ops import FrozenBatchNorm2d
 
 from pet.config import load_cfg

@@ -1,7 +1,7 @@
 """tools/benchmark.py gpu, the check to run when a CUDA GPU is lent: without CUDA it says so and reports every
 check skipped (exit status 0); a failing check is reported with its reason and fails the command (exit status 1)
 without hiding the next one; check 3 pairs detections by label and IoU, never by index. Nothing here needs a GPU
-or times anything (the checks themselves ran on the CPU with --device cpu; docs/BENCHMARKS.md#the-gpu-check)."""
+or times anything (the checks themselves ran on the CPU with --device cpu; docs/benchmarks/gpu-check.md)."""
 from __future__ import annotations
 
 import json
@@ -9,14 +9,14 @@ import os
 
 import pytest
 import torch
-from helpers import ROOT, run_tool_in_process
+from helpers import run_tool_in_process
 
 
 @pytest.fixture
-def gpu(monkeypatch):
-    """tools/benchmarks/gpu.py as tools/benchmark.py imports it (tools/ on the path)."""
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "tools"))
-    from benchmarks import gpu
+def gpu():
+    """tools/benchmarks/gpu.py, the module tools/benchmark.py runs here (it imports tools.benchmarks when the
+    repository root is on the path, as pytest.ini puts it)."""
+    from tools.benchmarks import gpu
 
     return gpu
 

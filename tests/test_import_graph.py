@@ -184,13 +184,13 @@ def test_no_library_module_imports_the_command_line_module():
 # Import by a name computed at run time: where the name comes from the user's config (a dotted path to their
 # own class or plugin) or is an optional third-party extra. Pet's own modules are imported by import statements.
 IMPORTERS_BY_NAME = {"locate", "import_module", "__import__"}
-IMPORTS_BY_NAME_FOR_USERS = {"pet.utils.registry", "pet.config", "pet.engine.trackers"}
+IMPORTS_BY_NAME_FOR_USERS = {"pet.utils.registry", "pet.config", "pet.engine.experiment_trackers"}
 
 
 def _lookups_by_name(source: str) -> tuple[list[int], list[tuple[int, str]]]:
     """([line of each call to an importer by name], [(line, string) naming a pet module or an object in one]).
 
-    The strings that count are a module that is not a package (``"pet.engine.trackers"``) and a module's
+    The strings that count are a module that is not a package (``"pet.engine.experiment_trackers"``) and a module's
     attribute (``"pet.modeling.build.build_model"``): what an import by name is handed. A package's name
     alone is also a logger's (``"pet.engine"``) and is left alone, as are docstrings.
     """
@@ -227,9 +227,10 @@ def test_pet_imports_its_own_modules_by_import_statements_not_by_name():
 
 def test_the_checker_sees_a_lookup_by_name():
     calls, names = _lookups_by_name(
-        'LOGGER = "pet.engine"\nBUILDER = "pet.modeling.build.build_model"\nWRITERS = "pet.engine.trackers"\n'
+        'LOGGER = "pet.engine"\nBUILDER = "pet.modeling.build.build_model"\n'
+        'WRITERS = "pet.engine.experiment_trackers"\n'
         'def build(cfg):\n    return locate(BUILDER)(cfg)\n')
-    assert calls == [5] and names == [(2, "pet.modeling.build.build_model"), (3, "pet.engine.trackers")]
+    assert calls == [5] and names == [(2, "pet.modeling.build.build_model"), (3, "pet.engine.experiment_trackers")]
 
 
 def test_the_checker_sees_a_cycle_and_a_deferred_import(tmp_path, monkeypatch):

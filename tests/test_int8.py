@@ -48,7 +48,8 @@ TINY = ["MODEL.FPN.RETURNED_LAYERS", "[2, 3]", "MODEL.RPN.ANCHOR_SIZES", "[[32],
         "MODEL.RPN.POST_NMS_TOPK_TEST", "100", "INPUT.MIN_SIZE_TEST", "160", "INPUT.MAX_SIZE_TEST", "214",
         "TEST.IMS_PER_BATCH", "1", "DATA.NUM_WORKERS", "0", "TEST.NUM_WARMUP", "0"]
 # AP points. int8 costs this random model 2-15 AP on its own detections depending on the parts (random features are
-# far more fragile than trained ones: the trained demo lost none, docs/BENCHMARKS.md); blank calibration costs ~95.
+# far more fragile than trained ones: the trained demo lost none, docs/benchmarks/cpu-inference.md); blank
+# calibration costs ~95.
 TOLERANCE = "20"
 
 

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from helpers import CFGS, SMALL_FLOPS, custom_datasets, run_tool_captured
-from parity import (
+from against_reference import (
     ARCHS,
     Tolerance,
     _rescale_outputs,
@@ -20,6 +19,7 @@ from parity import (
     check_training_parity,
     shapes_image,
 )
+from helpers import CFGS, SMALL_FLOPS, custom_datasets, run_tool_captured
 from test_export import randomize_norms, rescale_output
 from test_torchvision_weights import assert_results_match_torchvision
 
@@ -41,7 +41,7 @@ COCO_CFG = os.path.join(CFGS, "coco", "keypoint_rcnn_R-50-FPN_1x.yaml")
 def test_keypoint_rcnn_inference_parity_with_torchvision():
     """torchvision's keypointrcnn_resnet50_fpn weights give torchvision's detections, keypoints and keypoint scores:
     the same as its model run channels-last, and torchvision's default run in float64 up to its memory format's
-    rounding (tests/parity.py)."""
+    rounding (tests/against_reference.py)."""
     measured = check_inference_parity("keypoint_rcnn")
     print(measured)
 
@@ -49,7 +49,7 @@ def test_keypoint_rcnn_inference_parity_with_torchvision():
 @pytest.mark.slow
 def test_keypoint_rcnn_training_parity_with_torchvision():
     """The same losses (loss_keypoint included) and gradients as torchvision's model for the same weights, batch,
-    keypoints and sampling (tests/parity.py)."""
+    keypoints and sampling (tests/against_reference.py)."""
     print(check_training_parity("keypoint_rcnn"))
 
 
@@ -131,7 +131,7 @@ SIZE = 800  # INPUT.MIN_SIZE_TEST of the COCO config and torchvision's test size
 
 def torchvision_keypoint_model() -> torch.nn.Module:
     """torchvision's ``keypointrcnn_resnet50_fpn(weights=None, weights_backbone=None)`` (person + 17 keypoints), its
-    output layers rescaled to O(1) outputs (tests/parity.py) and the person logit biased to a mean of -4 on
+    output layers rescaled to O(1) outputs (tests/against_reference.py) and the person logit biased to a mean of -4 on
     calibration images (background 0), so that the best ~20 detections pass the score threshold (each costs the
     keypoint head's eight 512-channel convolutions). Eval mode, channels-last as Pet runs."""
     torch.manual_seed(0)

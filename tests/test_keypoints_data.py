@@ -298,7 +298,7 @@ def test_the_synthetic_batch_of_a_keypoint_config_trains_a_keypoint_rcnn():
     without keypoints its training step fails and the probe falls back to float32."""
     cfg = load_cfg(os.path.join(ROOT, "cfgs", "shapes", "keypoint_rcnn_R-10-FPN.yaml"),
                    ["MODEL.ROI_KEYPOINT_HEAD.CONV_DIMS", "[16]", "SOLVER.IMS_PER_BATCH", "2", "DEVICE", "cpu"])
-    images, targets = synthetic_batch(cfg, training=True)
+    images, targets = synthetic_batch(cfg, training=True, num_keypoints=7)
     assert all(t["keypoints"].shape == (len(t["boxes"]), 7, 3) for t in targets)
     model = build_model(cfg).train()
     assert "loss_keypoint" in model(images, targets)

@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 import torch
+from against_reference import check_inference_parity, check_training_parity
 from helpers import CFGS, assert_part_trains, detector_batch, register_split
-from parity import check_inference_parity, check_training_parity
 
 from pet.config import load_cfg
 from pet.data import get_dataset
@@ -28,7 +28,7 @@ LOSSES = {"loss_objectness", "loss_rpn_box_reg", "loss_classifier", "loss_box_re
 def test_mask_rcnn_inference_parity_with_torchvision():
     """torchvision's maskrcnn_resnet50_fpn weights give torchvision's detections and masks (IoU >= 0.99 each): the
     same as its model run channels-last, and torchvision's default run in float64 up to its memory format's rounding
-    (tests/parity.py)."""
+    (tests/against_reference.py)."""
     check_inference_parity("mask_rcnn")
 
 
@@ -37,7 +37,7 @@ def test_mask_rcnn_inference_parity_with_torchvision():
 @pytest.mark.slow
 def test_mask_rcnn_training_parity_with_torchvision():
     """The same losses (loss_mask included) and gradients as torchvision's model for the same weights, batch and
-    sampling (tests/parity.py)."""
+    sampling (tests/against_reference.py)."""
     check_training_parity("mask_rcnn")
 
 

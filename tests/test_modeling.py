@@ -9,8 +9,8 @@ from collections import OrderedDict
 import pytest
 import torch
 import torchvision
+from against_reference import check_inference_parity, check_training_parity
 from helpers import CFGS, DEMO_CFG, assert_part_trains, detector_batch
-from parity import check_inference_parity, check_training_parity
 from torchvision.models._utils import IntermediateLayerGetter
 from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
 from torchvision.ops import FrozenBatchNorm2d
@@ -127,7 +127,8 @@ def test_r50_config_freezes_what_torchvision_freezes():
 @pytest.mark.numeric
 def test_faster_rcnn_inference_parity_with_torchvision():
     """torchvision's fasterrcnn_resnet50_fpn weights give torchvision's detections: the same as its model run
-    channels-last, and torchvision's default run in float64 up to its memory format's rounding (tests/parity.py)."""
+    channels-last, and torchvision's default run in float64 up to its memory format's rounding
+    (tests/against_reference.py)."""
     check_inference_parity("faster_rcnn")
 
 
@@ -135,7 +136,7 @@ def test_faster_rcnn_inference_parity_with_torchvision():
 @pytest.mark.numeric
 def test_faster_rcnn_training_parity_with_torchvision():
     """The same losses and gradients as torchvision's model for the same weights, batch and sampling
-    (tests/parity.py)."""
+    (tests/against_reference.py)."""
     check_training_parity("faster_rcnn")
 
 

@@ -19,7 +19,6 @@ import os
 import shutil
 import signal
 import struct
-import sys
 import zlib
 from dataclasses import dataclass
 
@@ -48,9 +47,6 @@ from pet.predict import PredictionWriter, Predictor, Source, predict_cfg
 from pet.predict.labels import model_label_space
 from pet.predict.tiling import TileSpec, greedy_nmm, merge_seams, tile_grid
 from pet.utils.errors import ConfigError
-
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-from benchmarks.common import process_tree_rss  # noqa: E402
 
 SHAPES = LabelSpace((1, 2, 3), ("circle", "rectangle", "triangle"))
 RENAMED = LabelSpace((7, 8, 9), ("ring", "box", "wedge"))  # not the dataset's: proves the names come from the model
@@ -336,6 +332,25 @@ def test_predict_many_gives_each_pictures_own_detections_in_batches(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ streams
+def process_tree_rss(pid: int | None = None) -> int:
+    """Resident memory (bytes) of process ``pid`` (default: this one) and all its descendants (the decoding
+    workers), from /proc. The benchmark of tools/predict.py measures the same way (tools/benchmarks/common.py);
+    this test keeps its own copy so that it depends on no benchmark code."""
+    pid = os.getpid() if pid is None else pid
+    total, pending = 0, [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            with open(f"/proc/{current}/status", encoding="utf-8") as f:
+                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children", encoding="utf-8") as f:
+                    pending += [int(child) for child in f.read().split()]
+        except (OSError, StopIteration):  # the process ended meanwhile
+            continue
+    return total
+
+
 def test_a_long_stream_holds_bounded_memory_with_its_decoding_workers(tmp_path):
     for i in range(300):
         write_scene(str(tmp_path / f"{i:04d}.jpg"), (256, 256), [(20 + i % 100, 30, 120, 90 + i % 50)])
@@ -572,9 +587,8 @@ def test_the_checkpoint_of_a_training_run_records_its_label_space(make_cfg):
     class Loader(list):
         dataset = Dataset()
 
-    trainer = toy_trainer(make_cfg())
-    assert "label_space" not in trainer.checkpointer.state()  # a toy loader has no classes
-    trainer.data_loader = Loader()
-    assert trainer.checkpointer.state()["label_space"] == [{"label": 1, "id": 17, "name": "cat"},
-                                                         {"label": 2, "id": 18, "name": "dog"}]
+    assert "label_space" not in toy_trainer(make_cfg()).checkpointer.state(0, 0)  # a toy loader has no classes
+    trainer = toy_trainer(make_cfg(), loader=Loader())
+    assert trainer.checkpointer.state(0, 0)["label_space"] == [{"label": 1, "id": 17, "name": "cat"},
+                                                               {"label": 2, "id": 18, "name": "dog"}]
     assert dataset_label_space(Dataset()) == LabelSpace((17, 18), ("cat", "dog"))

@@ -8,7 +8,6 @@ and backward, land in its stage. Nothing here is timed.
 from __future__ import annotations
 
 import os
-import sys
 from collections import OrderedDict
 
 import torch
@@ -18,10 +17,8 @@ from torch import nn
 from pet.config import load_cfg
 from pet.modeling import build_model
 from pet.modeling.poolers import roi_align_sparse
-
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-from benchmarks.roofline import build_workload, profile_steps  # noqa: E402
-from benchmarks.stage_profile import OUTSIDE, StageProfiler, detector_stage, named_losses  # noqa: E402
+from tools.benchmarks.roofline import build_workload, profile_steps
+from tools.benchmarks.stage_profile import OUTSIDE, StageProfiler, detector_stage, named_losses
 
 
 class SparsePool(nn.Module):

@@ -15,8 +15,8 @@ import os
 
 import pytest
 import torch
+from against_reference import Tolerance, match_detections
 from helpers import CFGS
-from parity import Tolerance, match_detections
 
 from pet.config import load_cfg
 from pet.modeling import build_model

@@ -1,6 +1,7 @@
 """Stopping for real: SIGTERM / SIGINT (one rank or all), a NaN loss (raise or skip, on one rank or all)."""
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import re
@@ -198,3 +199,36 @@ def test_skip_nonfinite_skips_and_counts(tmp_path):
     assert all(torch.isfinite(v).all() for v in final_weights(ckpt).values())
 
 
+
+
+class StackAtSave(TrainHook):
+    """Records the call stack of the checkpoint write, from the write up to the loop's ``_save_and_stop``."""
+
+    def __init__(self) -> None:
+        self.frames, self.counters = [], None
+
+    def before_stop(self, trainer, storage, **kwargs):
+        self.counters = (trainer.iter, storage.iter)
+
+    def before_save_checkpoint(self, **kwargs):
+        stack = [(os.path.basename(f.filename), f.function) for f in inspect.stack()[1:]]
+        self.frames = stack[:stack.index(("loops.py", "_save_and_stop")) + 1]
+
+
+@pytest.mark.parametrize("default_hooks", [True, False], ids=["CheckpointHook", "no-hook"])
+def test_a_stop_goes_one_way_loop_then_hook_then_checkpointer(make_cfg, default_hooks):
+    """SIGTERM: the loop calls before_stop, CheckpointHook saves through the checkpointer, whose
+    before_save_checkpoint goes to the hooks: nothing calls back into the loop (or the trainer). Without a
+    CheckpointHook the loop saves through the checkpointer itself."""
+    trace = StackAtSave()
+    trainer = toy_trainer(make_cfg("HOOKS.CHECKPOINT.PERIOD", 100, "TRAIN.SAVE_AS_JSON", False), SignalAt(3), trace,
+                          default_hooks=default_hooks)
+    with pytest.raises(TrainingInterrupted, match=re.escape(f"checkpoint {trainer.output_dir}/model_iter3.pth")):
+        trainer.train()
+    hook = [("checkpoint.py", "before_stop"), ("base.py", "__call__"), ("loops.py", "call_hooks")]
+    assert trace.frames == [("base.py", "__call__"), ("checkpointer.py", "save"),
+                            *([("checkpoint.py", "_save_regular"), ("checkpoint.py", "_save_unless_saved"), *hook]
+                              if default_hooks else []),
+                            ("loops.py", "_save_and_stop")]
+    assert read_last_checkpoint(trainer.output_dir) == os.path.join(trainer.output_dir, "model_iter3.pth")
+    assert trace.counters == (3, 3)  # before_stop sees the last completed iteration, one counter

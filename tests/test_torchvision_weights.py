@@ -5,13 +5,13 @@ A ``state_dict`` in the format of torchvision's released COCO models (``<arch>_r
 changed only by the dataset, the weights, the output folder and float32 on the command line. The dataset has
 COCO's 80 categories (ids 1..90 with gaps, torchvision's names) and 800x800 images, which both sides leave
 unresized. Nothing is downloaded: the weights are torchvision's initialisation with the heads' outputs rescaled to
-O(1) (tests/parity.py) and the classifier biased towards two COCO ids, 13 ("stop sign") and 90 ("toothbrush"),
-every other class pushed far below the score thresholds: so the right category ids are known, and a row
+O(1) (tests/against_reference.py) and the classifier biased towards two COCO ids, 13 ("stop sign") and 90
+("toothbrush"), every other class pushed far below the score thresholds: so the right category ids are known, and a row
 remapped, dropped or shifted by one shows up as wrong ids or wrong scores.
 
 ``bbox.json`` (and ``segm.json``) must be torchvision's detections of the same images: the same number, each
 with torchvision's category id, box within 1e-3 px (bbox.json rounds to 1e-3) and score within 1e-5.
-torchvision's model runs channels-last, as Pet does (tests/parity.py: the two are then bit-identical).
+torchvision's model runs channels-last, as Pet does (tests/against_reference.py: the two are then bit-identical).
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ import numpy as np
 import pycocotools.mask as mask_util
 import pytest
 import torch
+from against_reference import ARCHS, _rescale_outputs, shapes_image
 from helpers import CFGS, SMALL_FLOPS, custom_datasets, run_tool_captured
-from parity import ARCHS, _rescale_outputs, shapes_image
 
 from pet.checkpoint import load_weights
 from pet.config import load_cfg
@@ -54,8 +54,8 @@ def cfg_file(arch: str) -> str:
 
 def torchvision_coco_model(arch: str) -> torch.nn.Module:
     """torchvision's ``<arch>_resnet50_fpn(weights=None, weights_backbone=None, num_classes=91)``, its output
-    layers rescaled to O(1) outputs (tests/parity.py), the classifier's row for category 90 made a copy of the
-    row for 13, then its bias set so that, on calibration images, the mean logit of each class is its target:
+    layers rescaled to O(1) outputs (tests/against_reference.py), the classifier's row for category 90 made a copy of
+    the row for 13, then its bias set so that, on calibration images, the mean logit of each class is its target:
     :data:`CLASSIFIERS`' for 13 and 0.05 less for 90 (so both fire where the features say so, and their best
     detections pass the score threshold and the per-image cap alike), 0 for the two-stage background and -10 for
     every other row. Eval mode, channels-last as Pet runs."""
@@ -146,7 +146,7 @@ def assert_results_match_torchvision(results: list[dict],
     for image_id, theirs in expected.items():
         ours = by_image.get(image_id, [])
         # The same number, with no near-tie let off at the threshold or the cap: the two models run channels-last
-        # in this process on the same threads, and are then bit-identical (tests/parity.py).
+        # in this process on the same threads, and are then bit-identical (tests/against_reference.py).
         assert len(ours) == len(theirs["scores"]) > 0, (image_id, len(ours), len(theirs["scores"]))
         taken = np.zeros(len(ours), dtype=bool)
         for j in range(len(theirs["scores"])):

@@ -3,7 +3,7 @@
 What the trackers hold is read back through their own tools (``wandb leet inspect`` on the
 run's ``.wandb`` file; ``MlflowClient``) and compared with ``metrics.json``: the same values
 at the same iterations. The trackers are selected by registry name in ``TRAIN.WRITERS``, as
-users do, so this module never imports ``pet.engine.trackers`` itself.
+users do, so this module never imports ``pet.engine.experiment_trackers`` itself.
 """
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ def _in_mlflow_names(series: dict) -> dict:
 
 
 def _tracker_errors(caplog) -> list:
-    return [r for r in caplog.records if r.name == "pet.engine.trackers" and r.levelname == "ERROR"]
+    return [r for r in caplog.records if r.name == "pet.engine.experiment_trackers" and r.levelname == "ERROR"]
 
 
 def test_wandb_offline_run_holds_the_config_and_the_metrics_json_values_at_their_steps(make_cfg):
@@ -232,7 +232,7 @@ def test_a_tracker_failing_mid_run_is_logged_once_and_training_finishes(make_cfg
     else:
         _break_mlflow_from_step(monkeypatch, 8)
         spec = mlflow_spec
-    with caplog.at_level("INFO", logger="pet.engine.trackers"):
+    with caplog.at_level("INFO", logger="pet.engine.experiment_trackers"):
         trainer = _train(_cfg(make_cfg, spec))
 
     written = _metrics_json(trainer.output_dir)
@@ -257,7 +257,7 @@ def test_a_tracker_that_cannot_write_its_files_does_not_stop_training(make_cfg, 
     (tmp_path / "run" / in_the_way).write_text("")
     if writer == "MLflowWriter":
         shutil.copy(empty_mlflow_db, tmp_path / "run" / "mlflow.db")  # skips making the tables; changes nothing else
-    with caplog.at_level("INFO", logger="pet.engine.trackers"):
+    with caplog.at_level("INFO", logger="pet.engine.experiment_trackers"):
         trainer = _train(_cfg(make_cfg, {"type": writer}))
 
     assert trainer.iter == 10 and _metrics_json(trainer.output_dir)["bbox/AP"] == [(5, 0.05), (10, 0.1)]

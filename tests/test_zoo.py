@@ -7,8 +7,8 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from against_reference import check_inference_parity, check_training_parity
 from helpers import CFGS, assert_part_trains, detector_batch
-from parity import check_inference_parity, check_training_parity
 from torchvision.models.detection import fcos as tv_fcos
 from torchvision.models.detection import retinanet as tv_retinanet
 from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
@@ -47,7 +47,7 @@ def _demo_cfg(name: str, *opts: str):
 def test_one_stage_inference_parity_with_torchvision(name):
     """torchvision's retinanet / fcos_resnet50_fpn weights give torchvision's detections (its label 0, COCO's unused
     category, dropped as Pet drops it): the same as its model run channels-last, and torchvision's default run in
-    float64 up to its memory format's rounding (tests/parity.py)."""
+    float64 up to its memory format's rounding (tests/against_reference.py)."""
     check_inference_parity(name)
 
 
@@ -55,7 +55,8 @@ def test_one_stage_inference_parity_with_torchvision(name):
 @pytest.mark.numeric
 @pytest.mark.parametrize("name", MODELS)
 def test_one_stage_training_parity_with_torchvision(name):
-    """The same losses and gradients as torchvision's model for the same weights and batch (tests/parity.py)."""
+    """The same losses and gradients as torchvision's model for the same weights and batch
+    (tests/against_reference.py)."""
     check_training_parity(name)
 
 

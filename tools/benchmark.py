@@ -22,6 +22,11 @@
                                        [--out FILE]
     python tools/benchmark.py gpu [--checks demo_amp test_timing torchvision_parity architectures nccl onnx_cuda]
                                   [--iters 600] [--steps 5] [--val-images 0] [--work-dir DIR] [--out FILE]
+    python tools/benchmark.py cascade-detectron2 --weights CASCADE_CKPT [--cfg FILE] [--images N] [--tol 1e-3]
+                                                 [--opts KEY VALUE ...] [--out FILE]
+    python tools/benchmark.py strict-iou-ap [--gt COCO_JSON] GROUP=RUN_DIR [GROUP=RUN_DIR ...] [--out FILE]
+    python tools/benchmark.py ultralytics-rtdetr [--minutes 10] [--model rtdetr-resnet50.yaml] [--imgsz 256]
+                                                 [--batch 8] [--workers 1] [--threads N] [--work-dir DIR] [--out FILE]
 
 engine: Pet's Trainer overhead per iteration over a plain loop and MMEngine's Runner
 (tools/benchmarks/engine.py). train / infer: Pet's detectors against torchvision's on the same
@@ -48,6 +53,13 @@ TestHook's timings against torch.cuda.Event's, parity with torchvision, a few st
 processes, the ONNX parity gate in onnxruntime's CUDA provider; one report (JSON, with the Markdown summary and Pet's
 log beside it), exit status 1 when a check failed; without CUDA every check is reported skipped, exit status 0
 (tools/benchmarks/gpu.py).
+cascade-detectron2: Pet's cascade RoI heads against detectron2's CascadeROIHeads on the same features, proposals and
+weights; exit status 1 when they differ (tools/benchmarks/cascade_vs_detectron2.py; needs detectron2).
+strict-iou-ap: AP, AP50, AP75 and AP at IoU 0.9 of finished runs, with their s/iter, mean and spread per group
+(tools/benchmarks/strict_iou_ap.py). ultralytics-rtdetr: Ultralytics' own RT-DETR trainer on the shapes set for a
+wall-clock budget, then its AP (tools/benchmarks/ultralytics_rtdetr.py; needs ultralytics).
+Optional references (detectron2, ultralytics, sahi, transformers, mmengine) are imported only by the subcommand
+that needs them. The docs' pages of figures, one per subject: docs/benchmarks/README.md.
 Every table starts with the machine's fingerprint, which the JSON keeps with the command.
 """
 from __future__ import annotations
@@ -60,8 +72,46 @@ import time
 
 import torch
 
-from benchmarks import coco_eval, data, detectors, engine, gpu, onnx, predict, resume_skip, roofline, rtdetr, tiles
-from benchmarks.common import fingerprint
+# Python runs this file with its own folder, tools/, on the path: the package is "benchmarks" then. With the
+# repository root on the path instead (the tests run this file in their process; PYTHONPATH=$PWD), "tools.benchmarks".
+try:
+    from tools.benchmarks import (
+        cascade_vs_detectron2,
+        coco_eval,
+        data,
+        detectors,
+        engine,
+        gpu,
+        onnx,
+        predict,
+        resume_skip,
+        roofline,
+        rtdetr,
+        strict_iou_ap,
+        tiles,
+        ultralytics_rtdetr,
+    )
+    from tools.benchmarks.common import fingerprint
+except ModuleNotFoundError as error:
+    if error.name not in ("tools", "tools.benchmarks"):
+        raise
+    from benchmarks import (
+        cascade_vs_detectron2,
+        coco_eval,
+        data,
+        detectors,
+        engine,
+        gpu,
+        onnx,
+        predict,
+        resume_skip,
+        roofline,
+        rtdetr,
+        strict_iou_ap,
+        tiles,
+        ultralytics_rtdetr,
+    )
+    from benchmarks.common import fingerprint
 
 
 def main() -> None:
@@ -87,6 +137,11 @@ def main() -> None:
     rtdetr.add_arguments(sub.add_parser("rtdetr", help="RT-DETR against transformers' on the same weights"))
     roofline.add_arguments(sub.add_parser("roofline", help="peak GFLOP/s, and each stage's and layer's share of it"))
     gpu.add_arguments(sub.add_parser("gpu", help="the checks to run on a CUDA GPU, one report"))
+    cascade_vs_detectron2.add_arguments(sub.add_parser(
+        "cascade-detectron2", help="cascade RoI heads against detectron2's on the same weights (needs detectron2)"))
+    strict_iou_ap.add_arguments(sub.add_parser("strict-iou-ap", help="AP at IoU 0.75 and 0.9 of finished runs"))
+    ultralytics_rtdetr.add_arguments(sub.add_parser(
+        "ultralytics-rtdetr", help="Ultralytics' RT-DETR trainer on the shapes set (needs ultralytics)"))
     args = parser.parse_args()
     if args.command in ("train", "infer", "onnx", "rtdetr", "roofline"):
         torch.set_num_threads(args.threads)
@@ -97,7 +152,9 @@ def main() -> None:
                "onnx": onnx.onnx_vs_pytorch, "predict": predict.predict_benchmark,
                "tiles": tiles.tiles_benchmark, "resume-skip": resume_skip.resume_skip,
                "rtdetr": rtdetr.rtdetr_benchmark, "roofline": roofline.roofline,
-               "gpu": gpu.gpu_check}[args.command]
+               "gpu": gpu.gpu_check, "cascade-detectron2": cascade_vs_detectron2.cascade_vs_detectron2,
+               "strict-iou-ap": strict_iou_ap.strict_iou_ap,
+               "ultralytics-rtdetr": ultralytics_rtdetr.ultralytics_rtdetr}[args.command]
     machine = fingerprint()
     result = {"command": " ".join(sys.argv), "machine": machine, "date": time.strftime("%Y-%m-%d"),
               **run(args, machine)}
@@ -110,6 +167,8 @@ def main() -> None:
         gpu.write_markdown(result, summary)
         print(f"wrote {summary}")
         sys.exit(gpu.exit_status(result))
+    if args.command == "cascade-detectron2" and not result["agree"]:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

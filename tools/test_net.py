@@ -11,15 +11,14 @@ on this CPU and logs which and why (pet/deploy/backend.py); the default, pytorch
 import logging
 import os
 
-import torch
-
-from pet.cli import build_test_model, default_argument_parser, default_setup, launch_cli
+from pet.cli import default_argument_parser, default_setup, launch_cli
 from pet.deploy.backend import resolve_backend
 from pet.engine.build import build_test_hooks
 from pet.engine.inference import evaluate_on_datasets, inference_precision
 from pet.engine.metrics import flatten_metrics
 from pet.evaluation import VisualizationHook, evaluate_results_file
 from pet.evaluation.coco import write_json_atomic
+from pet.predict.loading import load_inference_model
 from pet.utils import comm
 from pet.utils.errors import ConfigError
 
@@ -50,15 +49,6 @@ def rescore(cfg, results_file: str, output_dir: str) -> None:
                           {"results_file": os.path.abspath(results_file), "metrics": metrics})
 
 
-def load_model(cfg, backend: str, model_file: str, unsafe: bool):
-    """The PyTorch model with its weights, or for ``onnxruntime`` the ONNX file's session."""
-    if backend == "pytorch":
-        return build_test_model(cfg, unsafe=unsafe)
-    from pet.deploy.onnxruntime_model import OnnxRuntimeModel  # only this backend needs onnxruntime installed
-
-    return OnnxRuntimeModel(model_file, threads=torch.get_num_threads())  # the threads PyTorch would use
-
-
 def main() -> None:
     parser = default_argument_parser("Evaluate a detector with Pet")
     parser.add_argument("--eval-only-results", metavar="FILE",
@@ -81,7 +71,7 @@ def main() -> None:
     if args.eval_only_results:
         rescore(cfg, args.eval_only_results, output_dir)
         return
-    model = load_model(cfg, backend, model_file, args.unsafe_load)
+    model = load_inference_model(cfg, backend, model_file, unsafe=args.unsafe_load).model
     test_hook, hooks = build_test_hooks(cfg, args.cfg_file)
     if args.vis > 0:
         hooks.append(VisualizationHook(cfg.CKPT, num_images=args.vis))

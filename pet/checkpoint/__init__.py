@@ -9,13 +9,13 @@
 The package sits below the engine and imports only :mod:`pet.utils` and :mod:`pet.data`: the trainer, the
 hooks (which only decide *when* to save), predict, deploy and tools all import it.
 """
-from pet.checkpoint.checkpointer import Checkpointable, Checkpointer
+from pet.checkpoint.checkpointer import Checkpointer, run_schedule
 from pet.checkpoint.files import LAST_CHECKPOINT, atomic_save, read_last_checkpoint, write_last_checkpoint
 from pet.checkpoint.loading import load_checkpoint, load_weights
 
 __all__ = [
     "Checkpointer",
-    "Checkpointable",
+    "run_schedule",
     "LAST_CHECKPOINT",
     "atomic_save",
     "read_last_checkpoint",

@@ -1,24 +1,21 @@
 """The Checkpointer: every checkpoint a training run writes or reads goes through it.
 
-A checkpoint holds everything an exact resume needs: weights, optimizer, LR schedule,
-GradScaler, the iteration counter, RNG states and every stateful hook's ``state_dict`` (keyed by
-:meth:`pet.engine.hooks.HookList.state_dicts`); and, when
-the training data has one, the label space (``"label_space"``: :meth:`LabelSpace.to_list`), so that
-tools/predict.py and tools/export.py name the model's detections without the dataset
-(:meth:`Checkpointer.state` lists the keys).
+A checkpoint holds everything an exact resume needs: weights, optimizer, LR schedule, GradScaler, the loader
+position (iterations completed, epoch), RNG states and every stateful hook's ``state_dict`` (keyed by
+:meth:`pet.engine.hooks.HookList.state_dict`); and, when the training data has one, the label space
+(``"label_space"``: :meth:`LabelSpace.to_list`), so that tools/predict.py and tools/export.py name the model's
+detections without the dataset (:meth:`Checkpointer.state` lists the keys).
 
-The trainer owns one :class:`Checkpointer` (``trainer.checkpointer``), as detectron2's trainer owns
-its ``DetectionCheckpointer``. It builds that state, writes files atomically
-(:mod:`pet.checkpoint.files`), keeps ``last_checkpoint`` naming the newest regular checkpoint,
-removes pruned ones, links ``model_final.pth``, publishes slim copies, and resumes (removing the
-temporary files a killed write left). Hooks only decide *when* and *under what name*:
-:class:`pet.engine.hooks.CheckpointHook` for the regular and final checkpoints,
-:class:`pet.engine.hooks.BestCheckpointHook` for the best ones. When training stops outside any
-schedule (a signal, a dead data-loading worker), the train loop asks :meth:`Checkpointer.save_for_stop`,
-which goes through the CheckpointHook's book-keeping when one is registered (``stop_saver``).
+The trainer owns one :class:`Checkpointer` (``trainer.checkpointer``), built from the model and the run's
+checkpointables, as detectron2's trainer owns its ``DetectionCheckpointer``. It builds that state, writes files
+atomically (:mod:`pet.checkpoint.files`), keeps ``last_checkpoint`` naming the newest regular checkpoint,
+removes pruned ones, links ``model_final.pth``, publishes slim copies, and resumes (removing the temporary files
+a killed write left). Hooks only decide *when* and *under what name*: :class:`pet.engine.hooks.CheckpointHook`
+for the regular, final and stop checkpoints (its ``before_stop``), :class:`pet.engine.hooks.BestCheckpointHook`
+for the best ones. A stop goes one way: loop -> ``before_stop`` hooks -> checkpointer, never back into the loop.
 
 :mod:`pet.checkpoint` sits below the engine (it imports :mod:`pet.utils` and :mod:`pet.data` only), so the
-trainer, predict, deploy and tools all import it; what it reads of a run is :class:`Checkpointable`.
+trainer, predict, deploy and tools all import it; it never sees the trainer.
 """
 from __future__ import annotations
 
@@ -29,21 +26,20 @@ import os
 import shutil
 import socket
 import textwrap
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from fvcore.common.config import CfgNode
 
 from pet.checkpoint.files import atomic_save, explain_write_failure, read_last_checkpoint, write_last_checkpoint
 from pet.checkpoint.loading import load_checkpoint, load_weights
-from pet.data.categories import dataset_label_space
 from pet.utils import comm
 from pet.utils.errors import ConfigError, PetError, TrainingError
 from pet.utils.files import atomic_path, write_bytes_atomic
 from pet.utils.rng import get_rng_state, set_rng_state
 
-__all__ = ["Checkpointer", "Checkpointable", "SCHEDULE_KEYS", "agreed_last_checkpoint"]
+__all__ = ["Checkpointer", "SCHEDULE_KEYS", "agreed_last_checkpoint", "run_schedule"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,124 +49,112 @@ SCHEDULE_KEYS = ("BASE_LR", "LR_POLICY", "STEPS", "GAMMA", "WARMUP_ITERS", "WARM
                  "MOMENTUM")
 
 
-class Checkpointable(Protocol):
-    """What the Checkpointer saves and restores of a run: :class:`pet.engine.Trainer` has all of it, and so
-    must a trainer of your own that wants Pet's checkpoints.
-
-    ``train_step.grad_scaler``: a GradScaler or None; ``train_step.precision``: the run's
-    :class:`pet.engine.precision.Precision`; ``data_loader.dataset``: its label space, if any, is
-    saved; ``hooks``: :class:`pet.engine.hooks.HookList` (``state_dicts()`` / ``load_state_dicts(states)``).
-    A resume sets ``start_iter``, ``iter`` and ``epoch``.
-    """
-
-    cfg: CfgNode
-    output_dir: str
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    train_step: Any
-    data_loader: Any
-    hooks: Any
-    iter: int
-    start_iter: int
-    epoch: int
-    max_iter: int
-    iters_per_epoch: int
-
-    def call_hooks(self, point: str, **kwargs: Any) -> None: ...
-
-
 class Checkpointer:
-    """All checkpoint I/O of ``trainer``'s run; files go to its ``output_dir`` unless a ``save_dir`` is given.
+    """All checkpoint I/O of a training run: ``model`` and the named ``checkpointables`` (objects with
+    ``state_dict()`` / ``load_state_dict(state)``), written to and read from ``save_dir``.
 
-    Only the main process writes, removes or links files; every method may be called on every
-    process (the others return the path the main process writes). ``stop_saver``: what
-    :meth:`save_for_stop` calls instead of writing ``model_iter{N}.pth`` itself (CheckpointHook sets
-    it, so a stop's checkpoint joins its kept list and goes where it writes).
+    The trainer builds it with its optimizer, LR scheduler, GradScaler (None entries are left out) and hooks
+    (:class:`pet.engine.hooks.HookList`, whose state is every stateful hook's), and with what a checkpoint records
+    about the run: ``schedule`` (``MAX_ITER`` and the :data:`SCHEDULE_KEYS`, compared on resume), ``precision``
+    (the name the weights were trained in) and ``label_space``. The loader position (iterations completed, epoch)
+    is given to each :meth:`save` and read back from what :meth:`resume_or_load` returns, so the checkpointer
+    never holds the trainer, as detectron2's ``Checkpointer(model, **checkpointables)`` never does.
+
+    Only the main process writes, removes or links files; every method may be called on every process (the
+    others return the path the main process writes).
     """
 
-    def __init__(self, trainer: Checkpointable) -> None:
-        self.trainer = trainer
-        self.stop_saver: Callable[[], str] | None = None
+    def __init__(self, model: torch.nn.Module, save_dir: str, *, schedule: dict[str, Any] | None = None,
+                 precision: str = "", label_space: list[dict[str, Any]] | None = None,
+                 **checkpointables: Any) -> None:
+        self.model = model
+        self.save_dir = save_dir
+        self.schedule = schedule or {}
+        self.precision = precision
+        self.label_space = label_space
+        self.checkpointables = {name: part for name, part in checkpointables.items() if part is not None}
+        self._last_regular: tuple[int, str] | None = None  # (iteration, path) of the newest last_checkpoint
 
     # ------------------------------------------------------------------ saving
-    def state(self, *, optimizer: bool = True, scheduler: bool = True) -> dict[str, Any]:
-        """Everything needed to resume the trainer exactly after its ``iter`` completed iterations.
+    def state(self, iteration: int, epoch: int, *, optimizer: bool = True, scheduler: bool = True) -> dict[str, Any]:
+        """Everything needed to resume the run exactly after ``iteration`` completed iterations (in ``epoch``).
 
         ``optimizer`` / ``scheduler`` False leave out the optimizer's state (and the GradScaler's) /
         the schedule's: a smaller file, but a resume restarts the momentum / the schedule.
         """
-        trainer = self.trainer
-        grad_scaler = trainer.train_step.grad_scaler
-        state: dict[str, Any] = {
-            "model": comm.unwrap_model(trainer.model).state_dict(),
-            "optimizer": trainer.optimizer.state_dict(),
-            "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
-            "iter": trainer.iter,
-            "epoch": trainer.epoch,
-            "rng": get_rng_state(),
-            "hooks": trainer.hooks.state_dicts(),
-            "optimizer_class": type(trainer.optimizer).__name__,
-            "schedule": self._schedule(),
-            # the precision the weights were trained in (SOLVER.AMP: measured on machines with bfloat16 instructions)
-            "precision": trainer.train_step.precision.name,
-        }
-        if grad_scaler is not None:
-            state["grad_scaler"] = grad_scaler.state_dict()
+        parts = dict(self.checkpointables)
         if not optimizer:
-            state.pop("optimizer")
-            state.pop("grad_scaler", None)
+            parts.pop("optimizer", None)
+            parts.pop("grad_scaler", None)
         if not scheduler:
-            state.pop("scheduler")
-        label_space = dataset_label_space(getattr(trainer.data_loader, "dataset", None))
-        if label_space is not None:  # what the model's labels mean, so it can predict without its dataset
-            state["label_space"] = label_space.to_list()
+            parts.pop("scheduler", None)
+        state: dict[str, Any] = {
+            "model": comm.unwrap_model(self.model).state_dict(),
+            **{name: part.state_dict() for name, part in parts.items()},
+            "iter": iteration,
+            "epoch": epoch,
+            "rng": get_rng_state(),
+            "schedule": self.schedule,
+        }
+        if "optimizer" in self.checkpointables:
+            state["optimizer_class"] = type(self.checkpointables["optimizer"]).__name__
+        if self.precision:  # the precision the weights were trained in (SOLVER.AMP)
+            state["precision"] = self.precision
+        if self.label_space is not None:  # what the model's labels mean, so it can predict without its dataset
+            state["label_space"] = self.label_space
         return state
 
-    def save(self, filename: str, *, save_dir: str = "", update_last: bool = True, optimizer: bool = True,
-             scheduler: bool = True, extra: dict[str, Any] | None = None, all_ranks: bool = False) -> str:
+    def save(self, filename: str, *, iteration: int, epoch: int, hook_kwargs: Mapping[str, Any] | None = None,
+             save_dir: str = "", update_last: bool = True, optimizer: bool = True, scheduler: bool = True,
+             extra: dict[str, Any] | None = None, all_ranks: bool = False) -> str:
         """Write :meth:`state` (with ``extra`` keys) to ``save_dir/filename`` atomically; its path.
 
-        Hooks see the state in ``before_save_checkpoint`` first (EMAHook adds its average). With
-        ``update_last`` the run's ``last_checkpoint`` then names the file (by name in the run's
-        directory, by absolute path elsewhere). ``all_ranks``: every process calls this at the same
-        point (the regular and the stop checkpoints), so the checkpoint also gets each process's
-        random-number state (``rng_per_rank``, gathered from all), which a resume of the same number
-        of processes gives back to each: a process draws (RPN and RoI sampling) what it would have
-        drawn without the interruption, not rank 0's draws.
+        The hooks see the state in ``before_save_checkpoint`` first (EMAHook adds its average), called with
+        ``hook_kwargs``: the keyword arguments of the mount point the caller is in (``trainer=``, ``storage=``,
+        ...), passed on. With ``update_last`` the run's ``last_checkpoint`` then names the file (by name in the
+        run's directory, by absolute path elsewhere). ``all_ranks``: every process calls this at the same point
+        (the regular and the stop checkpoints), so the checkpoint also gets each process's random-number state
+        (``rng_per_rank``, gathered from all), which a resume of the same number of processes gives back to
+        each: a process draws (RPN and RoI sampling) what it would have drawn without the interruption, not rank
+        0's draws.
         """
-        save_dir = save_dir or self.trainer.output_dir
+        save_dir = save_dir or self.save_dir
         path = os.path.join(save_dir, filename)
+        if update_last:
+            self._last_regular = (iteration, path)
         rng_per_rank = comm.all_gather_object(get_rng_state()) if all_ranks and comm.get_world_size() > 1 else None
         if not comm.is_main_process():
             return path
-        state = {**self.state(optimizer=optimizer, scheduler=scheduler), **(extra or {})}
+        state = {**self.state(iteration, epoch, optimizer=optimizer, scheduler=scheduler), **(extra or {})}
         if rng_per_rank is not None:
             state["rng_per_rank"] = rng_per_rank
-        self.trainer.call_hooks("before_save_checkpoint", checkpoint=state)
+        hooks = self.checkpointables.get("hooks")
+        if hooks is not None:
+            hooks("before_save_checkpoint", checkpoint=state, **(hook_kwargs or {}))
         atomic_save(state, path)
         if update_last:
-            same_dir = os.path.abspath(save_dir) == os.path.abspath(self.trainer.output_dir)
-            write_last_checkpoint(self.trainer.output_dir, filename if same_dir else os.path.abspath(path))
+            same_dir = os.path.abspath(save_dir) == os.path.abspath(self.save_dir)
+            write_last_checkpoint(self.save_dir, filename if same_dir else os.path.abspath(path))
         logger.info(f"Saved checkpoint {path}")
         return path
 
-    def save_for_stop(self) -> str:
-        """Save the iterations completed now, for a stop outside the schedule; the file's path."""
-        if self.stop_saver is not None:
-            return self.stop_saver()
-        return self.save(f"model_iter{self.trainer.iter}.pth", all_ranks=True)
+    def saved_at(self, iteration: int) -> str | None:
+        """The checkpoint this run's ``last_checkpoint`` names if it was written after ``iteration``, else None
+        (the loop asks after ``before_stop``: did a hook save the iterations completed?)."""
+        if self._last_regular is None or self._last_regular[0] != iteration:
+            return None
+        return self._last_regular[1]
 
     def remove(self, filename: str, save_dir: str = "", reason: str = "") -> None:
         """Delete ``save_dir/filename`` (a pruned regular checkpoint) if it is there."""
-        path = os.path.join(save_dir or self.trainer.output_dir, filename)
+        path = os.path.join(save_dir or self.save_dir, filename)
         if comm.is_main_process() and os.path.isfile(path):
             os.remove(path)
             logger.info(f"Removed {path}{f' ({reason})' if reason else ''}")
 
     def link_final(self, filename: str, save_dir: str = "") -> str:
         """``save_dir/model_final.pth``: a hard link to the checkpoint ``filename`` (a copy where links fail)."""
-        save_dir = save_dir or self.trainer.output_dir
+        save_dir = save_dir or self.save_dir
         source, target = os.path.join(save_dir, filename), os.path.join(save_dir, "model_final.pth")
         if not comm.is_main_process():
             return target
@@ -188,7 +172,7 @@ class Checkpointer:
     def publish(self, keys: Sequence[str], save_dir: str = "") -> str | None:
         """A copy of ``model_final.pth`` with only the top-level ``keys``, named
         ``model_final-{first 8 hex digits of its sha256}.pth``; its path (None when none of the keys is there)."""
-        save_dir = save_dir or self.trainer.output_dir
+        save_dir = save_dir or self.save_dir
         if not comm.is_main_process():
             return None
         final = load_checkpoint(os.path.join(save_dir, "model_final.pth"))
@@ -209,32 +193,38 @@ class Checkpointer:
         return path
 
     # ------------------------------------------------------------------ loading
-    def resume_or_load(self, resume: bool, *, unsafe: bool = False, weights_only: bool = False) -> None:
-        """Resume from ``last_checkpoint`` when ``resume`` and one exists; else load ``TRAIN.WEIGHTS`` (if set).
+    def resume_or_load(self, resume: bool, weights: str = "", *, unsafe: bool = False,
+                       weights_only: bool = False) -> dict[str, Any] | None:
+        """Resume from ``last_checkpoint`` when ``resume`` and one exists, and return that checkpoint (its
+        ``"iter"`` and ``"epoch"`` are where the run goes on); else load ``weights`` (``TRAIN.WEIGHTS``, if set)
+        into the model and return None.
 
         ``weights_only`` resumes everything but the optimizer's state (see :meth:`load`).
         """
-        trainer = self.trainer
-        last = agreed_last_checkpoint(trainer.output_dir) if resume else None
+        last = agreed_last_checkpoint(self.save_dir) if resume else None
         if last is not None:
+            state = load_checkpoint(last, unsafe=unsafe)
             try:
-                self.load(load_checkpoint(last, unsafe=unsafe), optimizer_state=not weights_only)
+                self.load(state, optimizer_state=not weights_only)
             except PetError:
                 raise
             except (RuntimeError, ValueError, KeyError) as exc:  # a model, optimizer or hook of other shapes
                 detail = textwrap.shorten(str(exc), 300, placeholder=" ...")
                 raise ConfigError(f"Cannot resume from {last}: it does not fit this config's model or optimizer "
                                   f"({type(exc).__name__}: {detail}). Train this config in a new CKPT, or set the "
-                                  f"changed keys back ({trainer.output_dir}/config.yaml is the config it was "
+                                  f"changed keys back ({self.save_dir}/config.yaml is the config it was "
                                   "trained with).") from exc
             fresh = " with a fresh optimizer (--resume-weights-only)" if weights_only else ""
-            logger.info(f"Resumed from {last} at iteration {trainer.start_iter}{fresh}")
-        elif trainer.cfg.TRAIN.WEIGHTS:
-            load_weights(trainer.model, trainer.cfg.TRAIN.WEIGHTS, unsafe=unsafe)
-            logger.info(f"Initialised from {trainer.cfg.TRAIN.WEIGHTS} (not a resume: training starts at iteration 0)")
+            logger.info(f"Resumed from {last} at iteration {int(state['iter'])}{fresh}")
+            return state
+        if weights:
+            load_weights(self.model, weights, unsafe=unsafe)
+            logger.info(f"Initialised from {weights} (not a resume: training starts at iteration 0)")
+        return None
 
     def load(self, state: dict[str, Any], *, optimizer_state: bool = True) -> None:
-        """Put the trainer where the checkpoint ``state`` was written; hooks get ``after_load_checkpoint``.
+        """Put the model and the checkpointables where the checkpoint ``state`` left them, and this process's
+        random generators; the caller sets its loader position from ``state["iter"]`` / ``state["epoch"]``.
 
         The optimizer's state (momentum, Adam moments) comes from the checkpoint, its settings
         (learning rate, weight decay, momentum factor) from this run, and the LR schedule is
@@ -243,9 +233,9 @@ class Checkpointer:
         optimizer of another class cannot take the saved state: that is a ConfigError, unless
         ``optimizer_state`` is False (``--resume-weights-only``), which starts a fresh optimizer.
         """
-        trainer = self.trainer
-        saved_class, current_class = state.get("optimizer_class"), type(trainer.optimizer).__name__
-        if optimizer_state and saved_class and saved_class != current_class:
+        optimizer = self.checkpointables.get("optimizer")
+        saved_class, current_class = state.get("optimizer_class"), type(optimizer).__name__
+        if optimizer is not None and optimizer_state and saved_class and saved_class != current_class:
             raise ConfigError(
                 f"The checkpoint was trained with {saved_class}, this run uses {current_class} (SOLVER.OPTIMIZER): "
                 f"the optimizer state cannot carry over. Set SOLVER.OPTIMIZER back to {saved_class}, or resume with "
@@ -254,29 +244,26 @@ class Checkpointer:
             )
         # With EMAHook, "model" holds the averaged weights (what test and deployment use)
         # and "model_raw" the ones training continues from.
-        comm.unwrap_model(trainer.model).load_state_dict(state.get("model_raw", state["model"]))
-        if optimizer_state and state.get("optimizer"):
-            _load_optimizer_state(trainer.optimizer, state["optimizer"])
-        if state.get("scheduler") and trainer.scheduler is not None:
-            trainer.scheduler.load_state_dict(state["scheduler"])
-        grad_scaler = trainer.train_step.grad_scaler
-        if optimizer_state and state.get("grad_scaler") and grad_scaler is not None:
-            grad_scaler.load_state_dict(state["grad_scaler"])
-        trainer.start_iter = trainer.iter = int(state["iter"])
-        trainer.epoch = trainer.start_iter // trainer.iters_per_epoch if trainer.iters_per_epoch else 0
+        comm.unwrap_model(self.model).load_state_dict(state.get("model_raw", state["model"]))
+        for name, part in self.checkpointables.items():
+            if not state.get(name) or (name in ("optimizer", "grad_scaler") and not optimizer_state):
+                continue
+            if name == "optimizer":
+                _load_optimizer_state(part, state[name])
+            else:
+                part.load_state_dict(state[name])
         per_rank = state.get("rng_per_rank")
         if per_rank is not None and len(per_rank) == comm.get_world_size():
             set_rng_state(per_rank[comm.get_rank()])
         elif "rng" in state:
             set_rng_state(state["rng"])
-        trainer.hooks.load_state_dicts(state.get("hooks", {}))
-        _log_schedule_changes(state.get("schedule"), self._schedule(), trainer.start_iter)
-        trainer.call_hooks("after_load_checkpoint", checkpoint=state)
+        _log_schedule_changes(state.get("schedule"), self.schedule, int(state["iter"]))
 
-    def _schedule(self) -> dict[str, Any]:
-        """What shapes the learning rate of each iteration: ``MAX_ITER`` and the ``SOLVER`` schedule keys."""
-        solver = self.trainer.cfg.SOLVER
-        return {"MAX_ITER": self.trainer.max_iter, **{key: _plain(solver[key]) for key in SCHEDULE_KEYS}}
+
+def run_schedule(cfg: CfgNode, max_iter: int) -> dict[str, Any]:
+    """What shapes the learning rate of each iteration of a run: ``MAX_ITER`` and the ``SOLVER`` schedule keys
+    (:data:`SCHEDULE_KEYS`), as checkpoints record it."""
+    return {"MAX_ITER": max_iter, **{key: _plain(cfg.SOLVER[key]) for key in SCHEDULE_KEYS}}
 
 
 def agreed_last_checkpoint(save_dir: str) -> str | None:

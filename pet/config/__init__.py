@@ -28,7 +28,7 @@ from fvcore.common.config import CfgNode
 from pet.config.defaults import AUTO_OR_BOOL_KEYS, RENAMED_KEYS, get_default_cfg
 from pet.utils.errors import ConfigError
 
-__all__ = ["CfgNode", "get_default_cfg", "load_cfg", "merge_opts", "default_output_dir", "default_weights"]
+__all__ = ["CfgNode", "get_default_cfg", "load_cfg", "default_output_dir", "default_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,14 +55,6 @@ def load_cfg(cfg_file: str | None, opts: Sequence[str] = (), *, freeze: bool = T
     if freeze:
         cfg.freeze()
     return cfg
-
-
-def merge_opts(cfg: CfgNode, opts: Sequence[str]) -> set[str]:
-    """Merge ``["SOLVER.BASE_LR", "0.01", ...]`` into ``cfg``; values are Python literals.
-
-    Returns the full names of the keys set.
-    """
-    return _merge_dict(cfg, _with_new_names(_opts_as_dict(opts), "command line"), source="command line")
 
 
 def add_plugin_config(cfg: CfgNode, *values: dict) -> None:

@@ -28,10 +28,11 @@ PIXEL_BUDGET = 8 * 256 * 256
 DEFAULT_SIZE = (256, 256)
 
 
-def synthetic_batch(cfg: CfgNode, *, training: bool) -> tuple[torch.Tensor, list[dict]]:
+def synthetic_batch(cfg: CfgNode, *, training: bool, num_keypoints: int = 0) -> tuple[torch.Tensor, list[dict]]:
     """``(images, targets)`` as the training (``training``) or test loader of ``cfg`` would give them, for one
     process: ``SOLVER.IMS_PER_BATCH`` or ``TEST.IMS_PER_BATCH`` over the processes, capped by
-    :data:`PIXEL_BUDGET`; resized by the test transform (no random augmentation)."""
+    :data:`PIXEL_BUDGET`; resized by the test transform (no random augmentation). ``num_keypoints`` points per
+    object for a model that learns keypoints (the model's ``keypoint_count``)."""
     height, width = flops_input_size(cfg) or DEFAULT_SIZE
     key = "SOLVER.IMS_PER_BATCH" if training else "TEST.IMS_PER_BATCH"
     total = cfg.SOLVER.IMS_PER_BATCH if training else cfg.TEST.IMS_PER_BATCH
@@ -50,8 +51,8 @@ def synthetic_batch(cfg: CfgNode, *, training: bool) -> tuple[torch.Tensor, list
             "labels": [1 + label % num_classes for label, _ in objects],
             "segmentations": [mask_polygons(mask) for _, mask in objects],
         }
-        if cfg.MODEL.META_ARCHITECTURE == "KeypointRCNN":  # a keypoint model trains on keypoints too
-            record["keypoints"] = _keypoints(record["boxes"], int(cfg.MODEL.ROI_KEYPOINT_HEAD.NUM_KEYPOINTS))
+        if num_keypoints:
+            record["keypoints"] = _keypoints(record["boxes"], num_keypoints)
         samples.append(mapper(record, cv2.cvtColor(image, cv2.COLOR_BGR2RGB), rng))
     return collate_batch(samples, cfg.INPUT.SIZE_DIVISIBILITY)
 

@@ -5,8 +5,8 @@ On a GPU (``DEVICE``) the answer is PyTorch; the rest is about CPUs.
 :func:`choose_backend` picks from what the CPU is (VNNI: :mod:`pet.utils.cpu`), which precision PyTorch runs the
 model in here (``TEST.AMP``, :mod:`pet.engine.precision`: where bfloat16 instructions exist, measured once per
 machine and model and cached, so one machine always makes the same choice) and which exports exist
-(:func:`exported_models`). The ranking is the one measured in docs/BENCHMARKS.md ("CPU inference: which
-backend"); on the AVX-512 BF16 + VNNI machine there, from fastest:
+(:func:`exported_models`). The ranking is the one measured in docs/benchmarks/cpu-inference.md ("CPU inference: int8,
+bfloat16 or float32"); on the AVX-512 BF16 + VNNI machine there, from fastest:
 
 1. onnxruntime int8 (``CKPT/model.int8.onnx``, tools/export.py --int8): only on a CPU with VNNI, where it was
    measured fastest and where its products cannot saturate (without VNNI, AVX2's u8 x s8 path can, unless the
@@ -160,19 +160,19 @@ def choose_backend(cfg: CfgNode, available: Mapping[str, str], passed_over: Sequ
         if not onnxruntime:
             skipped.append("onnxruntime is not installed (pip install -e \".[export]\")")
         elif int8.native:
-            reason = f"{int8.reason}: int8 runs fastest there (docs/BENCHMARKS.md)"
+            reason = f"{int8.reason}: int8 runs fastest there (docs/benchmarks/cpu-inference.md)"
             return BackendChoice("onnxruntime", available["int8"], "int8", "; ".join([*skipped, reason]))
         else:
             skipped.append(f"int8 passed over because {int8.reason}")
     # TEST.AMP True autocasts on any CPU; only where the CPU runs it natively is that the fast way.
     autocast = cpu_native_support(pytorch.name) if pytorch.dtype is not None else None
     if autocast is not None and autocast.native:
-        reason = f"{pytorch.reason}: faster than onnxruntime float32 there (docs/BENCHMARKS.md)"
+        reason = f"{pytorch.reason}: faster than onnxruntime float32 there (docs/benchmarks/cpu-inference.md)"
         return BackendChoice("pytorch", "", pytorch.name, "; ".join([*skipped, reason]))
     precision = pytorch.reason if autocast is None else f"{pytorch.reason}, emulated: {autocast.reason}"
     if "float32" in available and onnxruntime:
         reason = (f"PyTorch would run {pytorch.name} ({precision}): onnxruntime float32 is faster than that "
-                  "(docs/BENCHMARKS.md)")
+                  "(docs/benchmarks/cpu-inference.md)")
         return BackendChoice("onnxruntime", available["float32"], "float32", "; ".join([*skipped, reason]))
     missing = "no export of these weights" if "float32" not in available else "onnxruntime is not installed"
     reason = f"{precision}, and {missing} (tools/export.py writes {os.path.join(cfg.CKPT, 'model.onnx')})"

@@ -11,7 +11,8 @@ onnxruntime's quantization tools, in three steps on three disjoint sets of image
    unfused there). ``reduce_range`` (7-bit weights) on a CPU without VNNI, where u8s8 products can
    saturate (:func:`pet.utils.cpu.cpu_int8_support`); the file records which.
 2. **What runs int8** (``selection``: other training images): the convolutions and matrix products of each
-   quantizable part (:data:`FLOAT_PARTS` says which stay float and why), with the additions, ReLUs, max-pools
+   quantizable part (the detector's ``float_parts``, which the export records, stay float: see
+   :class:`pet.modeling.Detector`), with the additions, ReLUs, max-pools
    and resizes between them so that activations stay int8 from one layer to the next. Post-processing (box
    decoding, NMS, RoIAlign, mask pasting) is float. All parts run int8 if the selection images' bbox (and segm)
    AP is within half the tolerance of the float model's; otherwise each part is measured alone and parts are
@@ -60,18 +61,13 @@ except ImportError as exc:
     raise PetError(f"{exc.name or 'onnxruntime'} is not installed, and int8 quantization needs it: "
                    f"{INSTALL_EXPORT_EXTRA}") from exc
 
-__all__ = ["Int8AccuracyError", "Int8ImageSets", "Int8Report", "Quantizer", "FLOAT_PARTS", "QUANTIZED_OPS",
+__all__ = ["Int8AccuracyError", "Int8ImageSets", "Int8Report", "Quantizer", "QUANTIZED_OPS",
            "default_image_counts", "detection_ap", "int8_image_sets", "model_parts", "quantize_with_gate"]
 
 logger = logging.getLogger(__name__)
 
 # The operations a quantized part runs in int8: its convolutions and matrix products, and what sits between them.
 QUANTIZED_OPS = ("Conv", "Gemm", "MatMul", "Add", "Relu", "MaxPool", "Resize")
-# Parts kept in float: the final box and mask predictors (a few outputs per RoI): int8 made the demo slower there
-# (the quantize / dequantize steps cost more than the small matrix products save), see docs/BENCHMARKS.md. And
-# Keypoint R-CNN's keypoint branch: the gate measures box (and mask) AP, which cannot see keypoints degrade.
-FLOAT_PARTS = ("roi_heads.box_predictor", "roi_heads.mask_predictor", "roi_heads.keypoint_head",
-               "roi_heads.keypoint_predictor")
 _SCOPES = "pkg.torch.onnx.name_scopes"  # the module path of each node, as torch's ONNX exporter records it
 
 
@@ -162,16 +158,18 @@ def model_parts(model: onnx.ModelProto) -> dict[str, list[str]]:
     A part is a module two levels down the detector (``backbone.body``, ``backbone.fpn``, ``rpn.head``,
     ``roi_heads.box_head``, ``head.classification_head``, RT-DETR's ``encoder.aifi``, ``decoder.layers``, ...), read
     from the module path torch's exporter records with each node; nodes outside such a module (post-processing) and
-    :data:`FLOAT_PARTS` are in none. A ``ModuleList`` has no forward, so the exporter records no path for it, only
+    the parts the export lists in its ``pet.float_parts`` metadata (the detector's ``float_parts``) are in none. A
+    ``ModuleList`` has no forward, so the exporter records no path for it, only
     for its elements (``decoder.layers.0``): their nodes belong to the list's part.
     """
+    float_parts = next((p.value.split(",") for p in model.metadata_props if p.key == "pet.float_parts"), [])
     parts: dict[str, list[str]] = {}
     for node in model.graph.node:
         if node.op_type not in QUANTIZED_OPS:
             continue
         scopes = next((ast.literal_eval(p.value) for p in node.metadata_props if p.key == _SCOPES), [])
         part = next((".".join(s.split(".")[:2]) for s in scopes if s.count(".") >= 1), None)
-        if part is not None and part not in FLOAT_PARTS:
+        if part is not None and part not in float_parts:
             parts.setdefault(part, []).append(node.name)
     return parts
 

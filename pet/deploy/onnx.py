@@ -1,6 +1,7 @@
 """Export a Pet detector to ONNX.
 
-**Exporter.** :func:`export_onnx` traces the batched graph of :mod:`pet.deploy.graph` with ``torch.export``
+**Exporter.** :func:`export_onnx` traces the detector's batched graph (:mod:`pet.modeling.export_graph`) with
+``torch.export``
 and converts the program with ``torch.onnx.export(..., dynamo=True)``, the exporter torch 2.14 maintains and
 defaults to. Detection post-processing is data-dependent (how many boxes pass a threshold or NMS is known only
 at run time) and its sizes follow the input's: ``torch.export`` traces them as symbols and checks every rule
@@ -13,8 +14,8 @@ R-50-FPN Faster R-CNN on a 2-core CPU, against ~10 s for the tracer.
 
 **The graph.** Inputs ``images`` uint8 ``[B, 3, H, W]`` and ``image_sizes`` int64 ``[B, 2]``, with ``B``, ``H``
 and ``W`` dynamic (``H`` and ``W`` larger than the coarsest feature map's stride, e.g. 129 px for P7
-models; for RT-DETR multiples of 32 from 64 px, see :class:`pet.deploy.graph.RTDETRGraph`); outputs and their
-layout are those of :mod:`pet.deploy.graph`. Boxes come out in the network input's pixels;
+models; multiples of the detector's ``size_multiple`` where it has one); outputs and their layout are those of
+:mod:`pet.modeling.export_graph`. Boxes come out in the network input's pixels;
 :class:`pet.deploy.onnxruntime_model.OnnxRuntimeModel` maps them to the original images and pastes masks, with the
 PyTorch model's own functions.
 
@@ -32,8 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pet.deploy.graph import DetectorGraph, build_graph
 from pet.deploy.onnxruntime_model import INSTALL_EXPORT_EXTRA
+from pet.modeling.export_graph import DetectorGraph, build_export_graph
 from pet.modeling.preprocess import image_sizes
 from pet.utils.errors import PetError
 
@@ -61,20 +62,21 @@ def import_onnx() -> ModuleType:
 
 
 def export_onnx(model: torch.nn.Module, example: Batch, path: str, metadata: Mapping[str, str] | None = None) -> str:
-    """Export ``model`` (a Pet FasterRCNN, MaskRCNN, KeypointRCNN, RetinaNet, FCOS or RTDETR) to the ONNX file ``path``;
-    returns ``path``.
+    """Export ``model`` (a :class:`pet.modeling.Detector` with an export graph) to the ONNX file ``path``; returns
+    ``path``.
 
     ``example`` is a batch as the test loader gives it (``(images, targets)``); its values do not matter, but
     every feature map of its images must be larger than 1x1 (the smallest size the graph then takes is
     recorded in the file's metadata as ``pet.min_image_size``, and what the sides must be a multiple of as
     ``pet.size_multiple``, beside the score threshold and detections per
-    image it computes with, ``pet.score_thresh`` and ``pet.detections_per_img``); ``metadata`` adds the caller's
+    image it computes with, ``pet.score_thresh`` and ``pet.detections_per_img``, and the parts int8 keeps in float,
+    ``pet.float_parts``); ``metadata`` adds the caller's
     entries (tools/export.py records the label space). The file is checked with ``onnx.checker``.
     An operation the exporter cannot handle is an :class:`ExportError` naming it and the module that calls it.
     """
     images, targets = example
     sizes = image_sizes(targets)
-    graph = build_graph(model, images, sizes)
+    graph = build_export_graph(model, images, sizes)
     if len(sizes) == 1:  # torch.export takes a size of 1 for a constant: trace a batch of two
         images, sizes = images.repeat(2, 1, 1, 1), sizes * 2
     args = (images.contiguous(), torch.tensor(sizes, dtype=torch.int64))
@@ -85,14 +87,14 @@ def export_onnx(model: torch.nn.Module, example: Batch, path: str, metadata: Map
                      zip(("height", "width"), args[0].shape[-2:]))
     dynamic = {"images": {0: batch, 2: height, 3: width}, "image_sizes": {0: batch}}
     onnx_program = to_onnx(graph, args, dynamic, INPUT_NAMES, graph.output_names)
-    heads = getattr(model, "roi_heads", model)  # where the built-in detectors keep their test thresholds
     onnx_program.model.metadata_props.update({
         "pet.architecture": type(model).__name__,
         "pet.min_image_size": str(min_size),
         "pet.size_multiple": str(multiple),
         # The graph computes with them whatever a later config says (tools/predict.py warns about a lower threshold).
-        "pet.score_thresh": str(getattr(heads, "score_thresh", "")),
-        "pet.detections_per_img": str(getattr(heads, "detections_per_img", "")),
+        "pet.score_thresh": str(model.score_thresh),
+        "pet.detections_per_img": str(model.detections_per_img),
+        "pet.float_parts": ",".join(model.float_parts),
         "pet.boxes": "network input pixels; map them with pet.modeling.postprocess.detections_to_original",
         **(metadata or {}),
     })
@@ -141,8 +143,8 @@ def to_onnx(module: torch.nn.Module, args: tuple[Any, ...], dynamic_shapes: dict
 
 def _side(name: str, min_size: int, multiple: int, example: int) -> Any:
     """The dynamic dimension of a padded side: free from ``min_size`` to :data:`MAX_IMAGE_SIZE`, or ``multiple`` x a
-    free count of cells where the graph needs sides that are multiples of it (RT-DETR: see
-    :class:`pet.deploy.graph.RTDETRGraph`), whose example must be one; ``min_size`` is then one too."""
+    free count of cells where the graph needs sides that are multiples of it (the detector's ``size_multiple``),
+    whose example must be one; ``min_size`` is then one too."""
     if multiple == 1:
         return torch.export.Dim(name, min=min_size, max=MAX_IMAGE_SIZE)
     if example % multiple:

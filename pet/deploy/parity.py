@@ -128,7 +128,6 @@ image (at least one), so that boxes shifted as a whole do not pass as near-ties;
     """
     report = ParityReport(tolerance)
     model.eval()
-    heads = getattr(model, "roi_heads", model)
     with torch.inference_mode(), torch.autocast("cpu", enabled=False):
         for images, targets in batches:
             expected, expected_masks = _pytorch_detections(model, images, targets)
@@ -137,7 +136,7 @@ image (at least one), so that boxes shifted as a whole do not pass as near-ties;
             for k, (target, ref, ours) in enumerate(zip(targets, expected, actual)):
                 masks = (None if expected_masks is None else
                          _same_box_masks(expected_masks[k], network[k], target, tolerance.mask_band))
-                cutoffs = _cutoffs(ref, ours, heads.score_thresh, heads.detections_per_img)
+                cutoffs = _cutoffs(ref, ours, model.score_thresh, model.detections_per_img)
                 problem = _compare_image(report, ref, ours, max(target["orig_size"]), cutoffs, masks)
                 if problem:
                     report.problems.append(f"image {int(target['image_id'])}: {problem}")
@@ -150,21 +149,14 @@ image (at least one), so that boxes shifted as a whole do not pass as near-ties;
 
 def _pytorch_detections(model: torch.nn.Module, images: Tensor,
                         targets: list[dict[str, Any]]) -> tuple[list[dict[str, Tensor]], list[dict] | None]:
-    """The model's detections and, for a model with masks, its RoI heads' detections before they are mapped to
-    the original images (boxes in the network input's pixels, mask probabilities), caught on their way out."""
-    caught: list[list[dict[str, Tensor]]] = []
-
-    def catch(module: torch.nn.Module, args: Any, output: tuple[list[dict[str, Tensor]], Any]) -> None:
-        caught.append([dict(d) for d in output[0]])  # detections_to_original replaces the dicts' entries
-
-    heads = getattr(model, "roi_heads", None)
-    handle = heads.register_forward_hook(catch) if heads is not None and heads.has_mask() else None
-    try:
-        detections = model(images, targets)
-    finally:
-        if handle is not None:
-            handle.remove()
-    return detections, (caught[0] if caught else None)
+    """The model's detections and, for a model with masks, its detections before they are mapped to the original
+    images (boxes in the network input's pixels, mask probabilities: :meth:`pet.modeling.Detector.network_detections`),
+    mapped as the model's eval forward maps them."""
+    network = model.network_detections(images, targets)
+    masked = any("masks" in d for d in network)
+    # detections_to_original replaces the dicts' entries: it gets copies, and the network's stay as they are.
+    detections = detections_to_original([dict(d) for d in network], targets)
+    return detections, (network if masked else None)
 
 
 def _same_box_masks(ref: dict[str, Tensor], ours: dict[str, Tensor], target: dict[str, Any],

@@ -277,7 +277,7 @@ class TrainingCurvesWriter(EventWriter):
             logger.info(f"Training curves: {out}")
 
 
-WRITERS = Registry("event writer")  # pet/engine/__init__.py imports pet.engine.trackers: WandbWriter, MLflowWriter
+WRITERS = Registry("event writer")  # pet.engine.experiment_trackers registers WandbWriter and MLflowWriter
 WRITERS.__doc__ = "EventWriter classes by name, for TRAIN.WRITERS entries in YAML."
 for _writer in (CommonMetricPrinter, JSONWriter, TensorboardXWriter, TrainingCurvesWriter):
     WRITERS.register(_writer)

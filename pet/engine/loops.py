@@ -12,8 +12,8 @@ calls back into the loop's caller.
 One class per mode, as MMEngine's ``IterBasedTrainLoop`` / ``EpochBasedTrainLoop``, so that neither the
 trainer nor the hooks branch on the mode: :class:`IterationLoop` (``SOLVER.MAX_ITER`` iterations, one
 ``before_epoch`` / ``after_epoch`` around them) and :class:`EpochLoop` (``SOLVER.MAX_EPOCHS`` passes over a
-finite loader). Hooks ask the loop whether a period (in its unit) ends at an iteration
-(:meth:`TrainLoop.ends_period`).
+finite loader). Hooks ask the loop whether a period (in its unit, or in iterations or epochs) ends at an
+iteration (:meth:`TrainLoop.ends_period`): the one rule for periods.
 
 Both feed steps from passes over the loader, each after ``set_epoch(k)`` on its sampler, the first one
 starting where a resumed run left off (by index arithmetic with ``set_start_iter``, Pet's loaders; else by
@@ -21,8 +21,8 @@ drawing and dropping batches); iteration mode chains the passes (:func:`endless_
 
 Stops: a hook's ``trainer.stop_training`` ends the run after the step (as planned: ``after_train``
 saves the final checkpoint); SIGTERM / SIGINT (:class:`StopSignals`) and a data-loading worker's death
-(:class:`WorkerDiedAtFetch`) save the iterations completed and raise
-:class:`~pet.utils.errors.TrainingInterrupted` with the exit code for the command line.
+(:class:`WorkerDiedAtFetch`) call ``before_stop`` (CheckpointHook saves the iterations completed; the loop does
+when no hook did) and raise :class:`~pet.utils.errors.TrainingInterrupted` with the exit code for the command line.
 """
 from __future__ import annotations
 
@@ -45,29 +45,50 @@ from pet.utils import comm
 from pet.utils.errors import ConfigError, TrainingError, TrainingInterrupted
 from pet.utils.tensor import move_to_device
 
-__all__ = ["TrainLoop", "IterationLoop", "EpochLoop", "build_loop", "endless_batches", "WorkerDiedAtFetch",
-           "StopSignals"]
+__all__ = ["TrainerLike", "TrainLoop", "IterationLoop", "EpochLoop", "build_loop", "endless_batches",
+           "WorkerDiedAtFetch", "StopSignals"]
 
 logger = logging.getLogger(__name__)
 
 
-class LoopTrainer(Protocol):
-    """What a loop reads and sets of the trainer it runs (:class:`pet.engine.trainer.Trainer` has it all). The
-    trainer builds and holds its loop, so the loop names this shape instead of importing the trainer module.
-    ``hooks`` is a :class:`pet.engine.hooks.HookList` (callable by mount point, with ``cost_table()``)."""
+class TrainerLike(Protocol):
+    """What the loop and every hook may rely on in ``trainer`` (:class:`pet.engine.trainer.Trainer` has all of it;
+    so must a trainer of your own that runs Pet's loops and hooks). A Protocol because the trainer module imports
+    the loops and hooks, which name this shape instead of importing it.
 
+    ``iter`` and ``storage.iter`` are one counter: the 1-based number of the current
+    iteration inside a step, the number of iterations completed outside one (so
+    ``start_iter`` in ``before_train``, and after a failure the last completed one).
+    ``epoch`` is the 0-based index of the current epoch. ``stop_training``: set it to end
+    the run cleanly after this step (validation and the final checkpoint still happen).
+    ``hooks`` is a :class:`pet.engine.hooks.HookList` (callable by mount point, with ``cost_table()``);
+    ``checkpointer`` (:class:`pet.checkpoint.Checkpointer`) writes and reads every checkpoint;
+    ``loop`` is the mode: ``loop.ends_period(iteration, n)`` says whether a period ended.
+    """
+
+    cfg: CfgNode
     model: torch.nn.Module
-    device: torch.device
-    hooks: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    data_loader: Any
     storage: EventStorage
+    device: torch.device
+    output_dir: str
+    hooks: Any
     train_step: TrainStep
     checkpointer: Checkpointer
+    loop: TrainLoop
     iter: int
     start_iter: int
+    max_iter: int
     epoch: int
+    max_epochs: int
+    iters_per_epoch: int
     stop_training: bool
     last_step_seconds: float
     last_data_seconds: float
+
+    def call_hooks(self, point: str, **kwargs: Any) -> None: ...
 
 
 class WorkerDiedAtFetch(Exception):
@@ -107,6 +128,7 @@ class TrainLoop:
     max_iter: int
     max_epochs = 0  # epoch mode only
     iters_per_epoch = 0  # epoch mode only
+    unit = "iter"  # what a period of this mode counts
 
     def __init__(self, data_loader: Iterable[Any], accum_steps: int) -> None:
         self.data_loader = data_loader
@@ -114,7 +136,7 @@ class TrainLoop:
         self.signals = StopSignals()
         self._batches: Iterator[Any] = iter(())
 
-    def run(self, trainer: LoopTrainer) -> None:
+    def run(self, trainer: TrainerLike) -> None:
         """Train from ``trainer.start_iter`` to :attr:`max_iter`; ``after_train`` runs even when a step fails."""
         trainer.model.train()
         trainer.storage = EventStorage(trainer.start_iter)
@@ -140,28 +162,47 @@ class TrainLoop:
                 if comm.is_main_process():
                     logger.info(f"Time spent in hooks:\n{trainer.hooks.cost_table()}")
 
-    def call_hooks(self, trainer: LoopTrainer, point: str, **kwargs: Any) -> None:
-        """Call mount point ``point`` on every hook with ``trainer``, ``storage`` and :meth:`hook_kwargs`."""
-        trainer.hooks(point, trainer=trainer, storage=trainer.storage, **{**self.hook_kwargs(trainer), **kwargs})
+    def call_hooks(self, trainer: TrainerLike, point: str, **kwargs: Any) -> None:
+        """Call mount point ``point`` on every hook with :meth:`mount_kwargs` and ``kwargs``."""
+        trainer.hooks(point, **{**self.mount_kwargs(trainer), **kwargs})
 
-    def hook_kwargs(self, trainer: LoopTrainer) -> dict[str, int]:
+    def mount_kwargs(self, trainer: TrainerLike) -> dict[str, Any]:
+        """The keyword arguments of every mount point: ``trainer``, ``storage`` and :meth:`hook_kwargs`."""
+        return {"trainer": trainer, "storage": trainer.storage, **self.hook_kwargs(trainer)}
+
+    def hook_kwargs(self, trainer: TrainerLike) -> dict[str, int]:
         """The mode's extra keyword arguments for every mount point (``epoch=``/``max_epochs=`` in epoch mode)."""
         return {}
 
-    def ends_period(self, iteration: int, period: int) -> bool:
-        """Iteration ``iteration`` ends a period of ``period`` units of this mode (never for ``period <= 0``)."""
-        return period > 0 and iteration % period == 0
+    def ends_period(self, iteration: int, period: int, unit: str = "", start: int = 0) -> bool:
+        """Iteration ``iteration`` ends a period of ``period`` units counted from unit ``start`` (never for
+        ``period <= 0``): the one rule every hook asks. ``unit`` is ``"iter"``, ``"epoch"`` (epoch mode) or ``""``,
+        this mode's own (epochs in epoch mode, iterations in iteration mode)."""
+        if period <= 0:
+            return False
+        if (unit or self.unit) == "epoch":
+            if not self.iters_per_epoch:
+                raise ConfigError("A period in epochs needs epoch mode (SOLVER.MAX_EPOCHS > 0)")
+            epochs, within = divmod(iteration, self.iters_per_epoch)
+            return within == 0 and epochs >= start and (epochs - start) % period == 0
+        return iteration >= start and (iteration - start) % period == 0
 
-    def _run_epochs(self, trainer: LoopTrainer) -> None:
+    def completed(self, iteration: int, unit: str = "") -> int:
+        """The whole units (``unit`` as in :meth:`ends_period`) completed when iteration ``iteration`` ends."""
+        if (unit or self.unit) == "epoch":
+            return iteration // self.iters_per_epoch if self.iters_per_epoch else 0
+        return iteration
+
+    def _run_epochs(self, trainer: TrainerLike) -> None:
         """The mode's epochs: ``before_epoch``, steps up to the epoch's end, ``after_epoch``."""
         raise NotImplementedError
 
-    def _run_steps(self, trainer: LoopTrainer, end: int) -> None:
+    def _run_steps(self, trainer: TrainerLike, end: int) -> None:
         """Run iterations until ``trainer.iter`` reaches ``end`` or a hook sets ``trainer.stop_training``."""
         while trainer.iter < end and not trainer.stop_training:
             self._run_step(trainer)
 
-    def _run_step(self, trainer: LoopTrainer) -> None:
+    def _run_step(self, trainer: TrainerLike) -> None:
         """One iteration: the counter moves to it, hooks around the step; a failure leaves it uncounted."""
         trainer.iter += 1
         try:
@@ -190,12 +231,15 @@ class TrainLoop:
             self._save_and_stop(trainer, f"Training stopped by {signal.Signals(signum).name} after iteration "
                                 f"{trainer.iter}", 128 + signum)
 
-    def _save_and_stop(self, trainer: LoopTrainer, reason: str, exit_code: int, advice: str = "") -> None:
-        """Save the iterations completed (:meth:`pet.checkpoint.Checkpointer.save_for_stop`: through
-        CheckpointHook's schedule when there is one, else ``model_iter{N}.pth`` in CKPT, so a stopped run can
-        always resume) and raise :class:`TrainingInterrupted` with ``exit_code``: one line, the reason, the
-        checkpoint, ``advice``."""
-        path = trainer.checkpointer.save_for_stop()
+    def _save_and_stop(self, trainer: TrainerLike, reason: str, exit_code: int, advice: str = "") -> None:
+        """Save the iterations completed and raise :class:`TrainingInterrupted` with ``exit_code``: one line, the
+        reason, the checkpoint, ``advice``. ``before_stop`` hooks save first (CheckpointHook: where and as its
+        schedule writes); when none did, the loop writes ``model_iter{N}.pth`` in CKPT, so a stopped run can always
+        resume. One way: loop -> hooks -> checkpointer."""
+        self.call_hooks(trainer, "before_stop")
+        path = trainer.checkpointer.saved_at(trainer.iter) or trainer.checkpointer.save(
+            f"model_iter{trainer.iter}.pth", iteration=trainer.iter, epoch=trainer.epoch,
+            hook_kwargs=self.mount_kwargs(trainer), all_ranks=True)
         advice = f" If it happens again: {advice}." if advice else ""
         raise TrainingInterrupted(f"{reason}; checkpoint {path}. Run the same command to resume from it.{advice}",
                                   exit_code=exit_code)
@@ -231,7 +275,7 @@ class IterationLoop(TrainLoop):
         super().__init__(data_loader, accum_steps)
         self.max_iter = max_iter
 
-    def _run_epochs(self, trainer: LoopTrainer) -> None:
+    def _run_epochs(self, trainer: TrainerLike) -> None:
         self.call_hooks(trainer, "before_epoch")
         self._batches = endless_batches(self.data_loader, trainer.start_iter * self.accum_steps)
         self._run_steps(trainer, self.max_iter)
@@ -241,6 +285,8 @@ class IterationLoop(TrainLoop):
 class EpochLoop(TrainLoop):
     """``max_epochs`` passes over a finite loader, ``set_epoch(k)`` on its sampler before pass ``k``; an epoch is
     ``len(loader) // accum_steps`` iterations (a last group of fewer than ``accum_steps`` batches is dropped)."""
+
+    unit = "epoch"
 
     def __init__(self, data_loader: Iterable[Any], accum_steps: int, max_epochs: int) -> None:
         super().__init__(data_loader, accum_steps)
@@ -252,7 +298,7 @@ class EpochLoop(TrainLoop):
         self.iters_per_epoch = batches // accum_steps
         self.max_iter = max_epochs * self.iters_per_epoch
 
-    def _run_epochs(self, trainer: LoopTrainer) -> None:
+    def _run_epochs(self, trainer: TrainerLike) -> None:
         skip = trainer.start_iter - trainer.epoch * self.iters_per_epoch
         while trainer.epoch < self.max_epochs and not trainer.stop_training:
             _set_sampler_epoch(self.data_loader, trainer.epoch)
@@ -263,12 +309,9 @@ class EpochLoop(TrainLoop):
             self.call_hooks(trainer, "after_epoch")
             trainer.epoch += 1
 
-    def hook_kwargs(self, trainer: LoopTrainer) -> dict[str, int]:
+    def hook_kwargs(self, trainer: TrainerLike) -> dict[str, int]:
         return {"epoch": trainer.epoch, "max_epochs": self.max_epochs}
 
-    def ends_period(self, iteration: int, period: int) -> bool:
-        epochs, within = divmod(iteration, self.iters_per_epoch)
-        return period > 0 and within == 0 and epochs % period == 0
 
 
 def build_loop(cfg: CfgNode, data_loader: Iterable[Any]) -> TrainLoop:

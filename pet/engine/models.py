@@ -36,6 +36,7 @@ __all__ = [
     "model_device",
     "unwrap_model",
     "call_model",
+    "model_keypoint_count",
 ]
 
 # ``build_model(cfg)``: the ``MODEL.META_ARCHITECTURE`` detector on the CPU (:func:`pet.modeling.build_model`).
@@ -105,3 +106,10 @@ def call_model(model: torch.nn.Module, batch: Any) -> Any:
     if isinstance(batch, (tuple, list)):
         return model(*batch)
     return model(batch)
+
+
+def model_keypoint_count(model: torch.nn.Module, cfg: CfgNode) -> int:
+    """How many keypoints per object ``model`` learns under ``cfg``: its detector contract's ``keypoint_count``
+    (:class:`pet.modeling.Detector`, which the engine does not import), 0 for a model without one."""
+    count = getattr(unwrap_model(model), "keypoint_count", None)
+    return int(count(cfg)) if callable(count) else 0

@@ -21,14 +21,15 @@ from typing import Any
 import torch
 from fvcore.common.config import CfgNode
 
-from pet.checkpoint import Checkpointer
+from pet.checkpoint import Checkpointer, run_schedule
 from pet.data import build_train_loader
+from pet.data.categories import dataset_label_space
 from pet.data.synthetic import synthetic_batch
 from pet.engine.build import build_train_hooks
 from pet.engine.events import EventStorage
 from pet.engine.hooks.base import HookList, TrainHook
 from pet.engine.loops import TrainLoop, build_loop
-from pet.engine.models import default_model_builder, prepare_model, resolve_device, unwrap_model
+from pet.engine.models import default_model_builder, model_keypoint_count, prepare_model, resolve_device, unwrap_model
 from pet.engine.optim import build_lr_scheduler, build_optimizer
 from pet.engine.precision import choose_precision
 from pet.engine.speed_probe import SpeedProbe, model_probe
@@ -84,7 +85,12 @@ class Trainer:
         self.stop_training = False
         self.last_step_seconds = self.last_data_seconds = 0.0
         self.hooks = HookList()
-        self.checkpointer = Checkpointer(self)
+        label_space = dataset_label_space(getattr(self.data_loader, "dataset", None))
+        self.checkpointer = Checkpointer(
+            self.model, self.output_dir, schedule=run_schedule(cfg, self.max_iter), precision=precision.name,
+            label_space=label_space.to_list() if label_space is not None else None,
+            optimizer=self.optimizer, scheduler=self.scheduler, grad_scaler=self.train_step.grad_scaler,
+            hooks=self.hooks)
         self._loaded = False  # resume_or_load ran (train() runs it otherwise, as TRAIN.AUTO_RESUME says)
         if default_hooks:
             self.register_hooks(build_train_hooks(cfg, self))
@@ -94,7 +100,8 @@ class Trainer:
         loader shapes them, or on the first batch of the caller's loader (the random generators restored; None
         for an empty loader, which the loop then reports)."""
         if self.data_loader_from_cfg:
-            batch = synthetic_batch(self.cfg, training=True)
+            keypoints = model_keypoint_count(self.model, self.cfg)
+            batch = synthetic_batch(self.cfg, training=True, num_keypoints=keypoints)
         else:
             rng = get_rng_state()
             try:
@@ -122,8 +129,8 @@ class Trainer:
                 self.register_hook(hook)
 
     def call_hooks(self, point: str, **kwargs: Any) -> None:
-        """Call mount point ``point`` on every hook as the loop does (for hooks and the checkpointer that dispatch
-        ``before_val`` / ``after_val`` / the checkpoint points)."""
+        """Call mount point ``point`` on every hook as the loop does (EvalHook's ``before_val`` / ``after_val``, a
+        resume's ``after_load_checkpoint``)."""
         self.loop.call_hooks(self, point, **kwargs)
 
     def resume_or_load(self, resume: bool = True, *, unsafe: bool = False, weights_only: bool = False) -> None:
@@ -134,7 +141,12 @@ class Trainer:
         the optimizer's state (after changing the optimizer type).
         """
         self._loaded = True
-        self.checkpointer.resume_or_load(resume, unsafe=unsafe, weights_only=weights_only)
+        state = self.checkpointer.resume_or_load(resume, self.cfg.TRAIN.WEIGHTS, unsafe=unsafe,
+                                                 weights_only=weights_only)
+        if state is not None:  # the loader position, then the hooks read the checkpoint
+            self.start_iter = self.iter = int(state["iter"])
+            self.epoch = self.start_iter // self.iters_per_epoch if self.iters_per_epoch else 0
+            self.call_hooks("after_load_checkpoint", checkpoint=state)
 
     def train(self) -> None:
         """Resume or load first (as ``TRAIN.AUTO_RESUME`` says, unless :meth:`resume_or_load` ran), then run the

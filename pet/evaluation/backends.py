@@ -26,6 +26,7 @@ import copy
 import importlib.util
 import io
 import logging
+import warnings
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from pycocotools.cocoeval import COCOeval
 
 from pet.utils.errors import ConfigError
 
-__all__ = ["BACKENDS", "COCOEvalResult", "KeypointTask", "resolve_backend", "run_cocoeval"]
+__all__ = ["BACKENDS", "COCOEvalResult", "KeypointTask", "resolve_coco_library", "run_cocoeval"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +80,9 @@ def faster_available() -> bool:
     return importlib.util.find_spec("faster_coco_eval") is not None
 
 
-def resolve_backend(name: str) -> str:
-    """``"pycocotools"`` or ``"faster"`` for a ``TEST.COCO_BACKEND`` value ("auto": faster when installed).
+def resolve_coco_library(name: str) -> str:
+    """The COCO evaluation library, ``"pycocotools"`` or ``"faster"`` (faster-coco-eval), for a
+    ``TEST.COCO_BACKEND`` value ("auto": faster when installed).
 
     Raises :class:`ConfigError` for an unknown name, or for "faster" when faster-coco-eval is missing.
     """
@@ -92,6 +94,14 @@ def resolve_backend(name: str) -> str:
         raise ConfigError("TEST.COCO_BACKEND faster needs faster-coco-eval: pip install faster-coco-eval "
                           "(or pip install -e '.[fast-eval]'), or set TEST.COCO_BACKEND pycocotools")
     return name
+
+
+def resolve_backend(name: str) -> str:
+    """Deprecated name of :func:`resolve_coco_library` (``resolve_backend`` also named the runtime choice of
+    :mod:`pet.deploy.backend`); warns until Pet 0.4.0."""
+    warnings.warn("pet.evaluation.backends.resolve_backend is now resolve_coco_library; the old name goes in Pet "
+                  "0.4.0.", DeprecationWarning, stacklevel=2)
+    return resolve_coco_library(name)
 
 
 @dataclass(frozen=True)
@@ -111,7 +121,7 @@ def run_cocoeval(
 
     ``coco_gt`` is the dataset's pycocotools object; ``results`` are COCO result dicts for
     ``iou_type`` ("bbox", "segm" or "keypoints", which needs ``keypoints``); neither is modified.
-    ``backend`` is "pycocotools" or "faster" (see :func:`resolve_backend`). An empty ``results`` is
+    ``backend`` is "pycocotools" or "faster" (see :func:`resolve_coco_library`). An empty ``results`` is
     scored too: AP 0 wherever there is ground truth.
     """
     image_ids = sorted(set(image_ids))

@@ -25,7 +25,7 @@ import torch
 from fvcore.common.config import CfgNode
 
 from pet.data import get_dataset
-from pet.evaluation.backends import COCOEvalResult, KeypointTask, resolve_backend, run_cocoeval
+from pet.evaluation.backends import COCOEvalResult, KeypointTask, resolve_coco_library, run_cocoeval
 from pet.evaluation.build import EVALUATOR_REGISTRY
 from pet.evaluation.diagnostics import write_diagnostics
 from pet.evaluation.voc import voc_evaluate
@@ -85,7 +85,7 @@ class COCOEvaluator:
             dataset = get_dataset(dataset)
         self.dataset = dataset
         self.output_dir = output_dir
-        self.backend = resolve_backend(backend)
+        self.backend = resolve_coco_library(backend)
         self.diagnostics = diagnostics
         self.diagnostics_iou = diagnostics_iou
         self.diagnostics_score = diagnostics_score
@@ -228,7 +228,7 @@ def evaluate_results_file(dataset: Any, results_json: str, backend: str = "auto"
         raise DataError(f"{results_json} mixes detections with only a bbox and detections with only a segmentation; "
                         "keep boxes (bbox.json) and masks (segm.json) in separate files.")
     image_ids = sorted(images)
-    backend = resolve_backend(backend)
+    backend = resolve_coco_library(backend)
     metrics = {t: _metrics(_cocoeval(dataset, _results_for(t, results, dataset), image_ids, t, backend), dataset)
                for t in iou_types}
     if "bbox" in metrics:

@@ -2,7 +2,9 @@
 
 ``build_model(cfg)`` builds the ``MODEL.META_ARCHITECTURE`` entry of
 ``META_ARCH_REGISTRY``; ``pet.checkpoint.load_weights(model, path)`` loads a Pet
-checkpoint or a torchvision ``state_dict`` into it. To add a detector, backbone (or neck), RPN head,
+checkpoint or a torchvision ``state_dict`` into it. Everything outside this package learns what it needs of a
+detector through :class:`Detector` (:mod:`pet.modeling.detector`) and finds its ONNX graph with
+:func:`build_export_graph`; docs/extending.md says how to add one. To add a backbone (or neck), RPN head,
 RoI box, mask or keypoint head, or one-stage dense head, register it in the matching registry (see
 :mod:`pet.modeling.registry`, which also says what each entry is called with and returns) and name it in YAML.
 """
@@ -10,6 +12,8 @@ from pet.modeling import registry
 from pet.modeling.backbone import build_backbone
 from pet.modeling.build import build_model
 from pet.modeling.cascade_rcnn import CascadeMaskRCNN, CascadeRCNN
+from pet.modeling.detector import Detector
+from pet.modeling.export_graph import build_export_graph, register_export_graph
 from pet.modeling.faster_rcnn import FasterRCNN
 from pet.modeling.fcos import FCOS
 from pet.modeling.keypoint_rcnn import KeypointRCNN
@@ -23,6 +27,9 @@ __all__ = [
     "build_model",
     "build_backbone",
     "convert_state_dict",
+    "Detector",
+    "build_export_graph",
+    "register_export_graph",
     "FasterRCNN",
     "MaskRCNN",
     "KeypointRCNN",

@@ -4,7 +4,7 @@ The parts are torchvision's, assembled from the config under the module names of
 ``torchvision.models.detection.fasterrcnn_resnet50_fpn`` (``backbone.body``,
 ``backbone.fpn``, ``rpn.head``, ``roi_heads.box_head``, ``roi_heads.box_predictor``), so
 its weights load as they are and, with the same input, give torchvision's detections (bit-identical
-to its model run channels-last, as Pet runs by default; tests/parity.py).
+to its model run channels-last, as Pet runs by default; tests/against_reference.py).
 """
 from __future__ import annotations
 
@@ -15,20 +15,20 @@ from fvcore.common.config import CfgNode
 from torchvision.models.detection.image_list import ImageList
 
 from pet.modeling.backbone import build_backbone, num_fpn_levels
+from pet.modeling.detector import Detector
 from pet.modeling.postprocess import detections_to_original
 from pet.modeling.preprocess import Normalizer, image_sizes
 from pet.modeling.registry import META_ARCH_REGISTRY
 from pet.modeling.roi_heads import build_roi_heads
 from pet.modeling.rpn import build_rpn
-from pet.modeling.state_dict_names import convert_state_dict
 from pet.utils.timers import timed
 
 __all__ = ["FasterRCNN"]
 
 
 @META_ARCH_REGISTRY.register()
-class FasterRCNN(torch.nn.Module):
-    """Two-stage detector following Pet's batch contract.
+class FasterRCNN(Detector):
+    """Two-stage detector following Pet's batch contract (:class:`pet.modeling.detector.Detector`).
 
     ``forward(images, targets)``: ``images`` uint8 ``[B, 3, H, W]`` (padded), ``targets``
     per-image dicts with ``image_size`` / ``orig_size`` (and ``boxes`` / ``labels`` when
@@ -42,9 +42,11 @@ class FasterRCNN(torch.nn.Module):
     # The target fields the training forward hands to the RPN and RoI heads (MaskRCNN adds masks, KeypointRCNN
     # keypoints).
     target_fields: tuple[str, ...] = ("boxes", "labels")
-    # state_dict prefixes of the parameters whose shapes follow MODEL.NUM_CLASSES: weights for another number
-    # of classes re-initialise them when fine-tuning (pet.checkpoint.load_weights).
     class_dependent_prefixes: tuple[str, ...] = ("roi_heads.box_predictor.",)
+    score_thresh_key = "MODEL.ROI_HEADS.SCORE_THRESH_TEST"
+    # The final box predictor (a few outputs per RoI) stays float under int8: int8 made the demo slower there (the
+    # quantize / dequantize steps cost more than the small matrix products save; docs/deploy.md).
+    float_parts: tuple[str, ...] = ("roi_heads.box_predictor",)
     # Builds roi_heads: (cfg, in_channels, featmap_names, mask=mask_on) -> module called as torchvision's RoIHeads
     # (CascadeRCNN swaps in its cascade).
     roi_heads_builder = staticmethod(build_roi_heads)
@@ -61,12 +63,31 @@ class FasterRCNN(torch.nn.Module):
         if cfg.MODEL.CHANNELS_LAST:
             self.to(memory_format=torch.channels_last)
 
-    # Used by the weight loaders to rename torchvision classification weights.
-    convert_state_dict = staticmethod(convert_state_dict)
+    @property
+    def score_thresh(self) -> float:  # type: ignore[override]
+        return self.roi_heads.score_thresh
+
+    @score_thresh.setter
+    def score_thresh(self, value: float) -> None:
+        self.roi_heads.score_thresh = value
+
+    @property
+    def detections_per_img(self) -> int:  # type: ignore[override]
+        return self.roi_heads.detections_per_img
+
+    @detections_per_img.setter
+    def detections_per_img(self, value: int) -> None:
+        self.roi_heads.detections_per_img = value
 
     def forward(
         self, images: torch.Tensor, targets: list[dict[str, Any]]
     ) -> dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]:
+        return self._forward(images, targets, to_original=True)
+
+    def network_detections(self, images: torch.Tensor, targets: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return self._forward(images, targets, to_original=False)
+
+    def _forward(self, images: torch.Tensor, targets: list[dict[str, Any]], to_original: bool) -> Any:
         sizes = image_sizes(targets)
         x = self.normalizer(images, sizes)
         gt = [{k: t[k] for k in self.target_fields} for t in targets] if self.training else None
@@ -78,4 +99,4 @@ class FasterRCNN(torch.nn.Module):
             detections, head_losses = self.roi_heads(features, proposals, sizes, gt)
         if self.training:
             return {**rpn_losses, **head_losses}
-        return detections_to_original(detections, targets)
+        return detections_to_original(detections, targets) if to_original else detections

@@ -3,7 +3,7 @@
 The parts are torchvision's, assembled from ``MODEL.FCOS`` under the module names of
 ``torchvision.models.detection.fcos_resnet50_fpn`` (``backbone.body``, ``backbone.fpn``,
 ``anchor_generator``, ``head.classification_head``, ``head.regression_head``), so its weights
-load as they are and, with the same input, give torchvision's detections (tests/parity.py). Training uses
+load as they are and, with the same input, give torchvision's detections (tests/against_reference.py). Training uses
 torchvision's ``compute_loss`` (centre sampling, per-level size ranges, focal, GIoU and
 centerness losses), testing its ``postprocess_detections``. The head is the ``MODEL.FCOS.HEAD_NAME``
 entry of ``DENSE_HEAD_REGISTRY``.
@@ -39,6 +39,7 @@ class FCOS(OneStageDetector, tv_fcos.FCOS):
     eval mode returns per-image ``{"boxes", "scores", "labels"}`` with boxes in original-image pixels.
     """
 
+    score_thresh_key = "MODEL.FCOS.SCORE_THRESH_TEST"
     loss_takes_anchors_per_level = True
 
     def __init__(self, cfg: CfgNode) -> None:

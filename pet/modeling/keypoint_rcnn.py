@@ -34,6 +34,13 @@ class KeypointRCNN(FasterRCNN):
     """
 
     target_fields = (*FasterRCNN.target_fields, "keypoints")
+    # The keypoint branch stays float under int8: the export gate measures box (and mask) AP, which cannot see
+    # keypoints degrade.
+    float_parts = (*FasterRCNN.float_parts, "roi_heads.keypoint_head", "roi_heads.keypoint_predictor")
+
+    @classmethod
+    def keypoint_count(cls, cfg: CfgNode) -> int:
+        return int(cfg.MODEL.ROI_KEYPOINT_HEAD.NUM_KEYPOINTS)
 
     def __init__(self, cfg: CfgNode) -> None:
         super().__init__(cfg)

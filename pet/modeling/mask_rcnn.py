@@ -31,6 +31,7 @@ class MaskRCNN(FasterRCNN):
     mask_on = True
     target_fields = (*FasterRCNN.target_fields, "masks")
     class_dependent_prefixes = (*FasterRCNN.class_dependent_prefixes, "roi_heads.mask_predictor.mask_fcn_logits.")
+    float_parts = (*FasterRCNN.float_parts, "roi_heads.mask_predictor")
 
     def __init__(self, cfg: CfgNode) -> None:
         if not cfg.MODEL.MASK_ON:

@@ -17,10 +17,10 @@ from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.image_list import ImageList
 
 from pet.modeling.backbone import build_backbone
+from pet.modeling.detector import Detector
 from pet.modeling.postprocess import detections_to_original
 from pet.modeling.preprocess import Normalizer, image_sizes
 from pet.modeling.registry import DENSE_HEAD_REGISTRY
-from pet.modeling.state_dict_names import convert_state_dict
 from pet.utils.tensor import at_least_float32
 from pet.utils.timers import timed
 
@@ -50,9 +50,10 @@ def torchvision_args(cfg: CfgNode, node: CfgNode, anchors: AnchorGenerator) -> d
     }
 
 
-class OneStageDetector:
-    """Mixin listed before torchvision's detector class: ``forward(images, targets)`` in Pet's
-    batch contract (see :class:`pet.modeling.FasterRCNN`) on top of torchvision's methods.
+class OneStageDetector(Detector):
+    """The :class:`~pet.modeling.detector.Detector` base listed before torchvision's detector class:
+    ``forward(images, targets)`` in Pet's batch contract (see :class:`pet.modeling.FasterRCNN`) on top of
+    torchvision's methods.
 
     Subclasses pass :func:`torchvision_args` to torchvision's ``__init__`` (which sets ``backbone``,
     ``anchor_generator`` and ``head``), then call :meth:`use_pet_inputs`. Training uses torchvision's
@@ -67,10 +68,6 @@ class OneStageDetector:
     head: torch.nn.Module
     training: bool
 
-    # Used by the weight loaders to rename torchvision classification weights.
-    convert_state_dict = staticmethod(convert_state_dict)
-    # state_dict prefixes of the parameters whose shapes follow MODEL.NUM_CLASSES: weights for another number
-    # of classes re-initialise them when fine-tuning (pet.checkpoint.load_weights).
     class_dependent_prefixes: tuple[str, ...] = ("head.classification_head.cls_logits.",)
     # torchvision's FCOS.compute_loss also takes the number of anchors of each level (its size ranges are per
     # level); RetinaNet's does not.
@@ -88,6 +85,12 @@ class OneStageDetector:
     def forward(
         self, images: torch.Tensor, targets: list[dict[str, Any]]
     ) -> dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]:
+        return self._forward(images, targets, to_original=True)
+
+    def network_detections(self, images: torch.Tensor, targets: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return self._forward(images, targets, to_original=False)
+
+    def _forward(self, images: torch.Tensor, targets: list[dict[str, Any]], to_original: bool) -> Any:
         sizes = image_sizes(targets)
         x = self.normalizer(images, sizes)
         with timed("backbone"):
@@ -113,7 +116,8 @@ class OneStageDetector:
             split_outputs = {name: list(out.split(num_anchors_per_level, dim=1)) for name, out in head_outputs.items()}
             split_anchors = [list(a.split(num_anchors_per_level)) for a in anchors]
             detections = self.postprocess_detections(split_outputs, split_anchors, sizes)  # type: ignore[attr-defined]
-            return detections_to_original([_without_background(d) for d in detections], targets)
+            detections = [_without_background(d) for d in detections]
+            return detections_to_original(detections, targets) if to_original else detections
 
 
 def _float32_shape_of(feature: torch.Tensor) -> torch.Tensor:

@@ -95,7 +95,7 @@ class MultiScaleRoIAlign(torchvision.ops.MultiScaleRoIAlign):
 
     In training with a fixed ``sampling_ratio`` (> 0) on the CPU each level is pooled by
     :func:`roi_align_sparse`, 2-5x faster than torchvision's kernel forward and backward together
-    (docs/BENCHMARKS.md); otherwise by torchvision's kernel.
+    (docs/benchmarks/detectors.md); otherwise by torchvision's kernel.
     """
 
     def forward(

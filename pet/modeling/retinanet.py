@@ -3,7 +3,7 @@
 The parts are torchvision's, assembled from ``MODEL.RETINANET`` under the module names of
 ``torchvision.models.detection.retinanet_resnet50_fpn`` (``backbone.body``, ``backbone.fpn``,
 ``anchor_generator``, ``head.classification_head``, ``head.regression_head``), so its weights
-load as they are and, with the same input, give torchvision's detections (tests/parity.py). Training uses
+load as they are and, with the same input, give torchvision's detections (tests/against_reference.py). Training uses
 torchvision's ``compute_loss`` (IoU matching, sigmoid focal loss, L1 box loss), testing its
 ``postprocess_detections`` (per-level top-k, class-wise NMS). The head is the
 ``MODEL.RETINANET.HEAD_NAME`` entry of ``DENSE_HEAD_REGISTRY``.
@@ -43,6 +43,8 @@ class RetinaNet(OneStageDetector, tv_retinanet.RetinaNet):
     to boxes by IoU: ``FG_IOU_THRESH`` / ``BG_IOU_THRESH``); eval mode returns per-image
     ``{"boxes", "scores", "labels"}`` with boxes in original-image pixels.
     """
+
+    score_thresh_key = "MODEL.RETINANET.SCORE_THRESH_TEST"
 
     def __init__(self, cfg: CfgNode) -> None:
         retina = cfg.MODEL.RETINANET

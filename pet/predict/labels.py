@@ -18,6 +18,7 @@ from fvcore.common.config import CfgNode
 from pet.data.catalog import dataset_categories, get_dataset, get_dataset_spec, register_custom_datasets
 from pet.data.categories import LabelSpace
 from pet.data.keypoints import KeypointMeta
+from pet.modeling.detector import keypoint_count
 from pet.utils.errors import ConfigError, PetError
 
 __all__ = ["CHECKPOINT_KEY", "ONNX_METADATA_KEY", "model_label_space", "label_space_from_checkpoint",
@@ -74,12 +75,13 @@ def _dataset_label_space(cfg: CfgNode, name: str) -> LabelSpace | None:
 
 def model_keypoint_meta(cfg: CfgNode) -> KeypointMeta | None:
     """What a keypoint model's points are called and how they join (the outputs' CSV columns, JSON names and
-    drawn skeleton): the points of TEST.DATASETS[0] when its annotation file is there and has
-    ``MODEL.ROI_KEYPOINT_HEAD.NUM_KEYPOINTS`` points, else ``kp_0``, ``kp_1``, ... without a skeleton; None for a
-    model without keypoints. Checkpoints do not record the points, so the test set names them."""
-    if cfg.MODEL.META_ARCHITECTURE != "KeypointRCNN":
+    drawn skeleton): the points of TEST.DATASETS[0] when its annotation file is there and has as many points as
+    the model predicts (:meth:`pet.modeling.Detector.keypoint_count`), else ``kp_0``, ``kp_1``, ... without a
+    skeleton; None for a model without keypoints. Checkpoints do not record the points, so the test set names
+    them."""
+    k = keypoint_count(cfg)
+    if not k:
         return None
-    k = int(cfg.MODEL.ROI_KEYPOINT_HEAD.NUM_KEYPOINTS)
     register_custom_datasets(cfg)
     meta = None
     try:

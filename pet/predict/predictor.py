@@ -15,7 +15,6 @@ cut into tiles at its own pixel scale (:mod:`pet.predict.tiling`).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -28,19 +27,16 @@ import numpy as np
 import torch
 from fvcore.common.config import CfgNode
 
-from pet.checkpoint import load_checkpoint
-from pet.config import default_weights, load_cfg
+from pet.config import load_cfg
 from pet.data import build_augmentations, read_image, register_custom_datasets
 from pet.data.categories import LabelSpace
-from pet.deploy.onnxruntime_model import OnnxRuntimeModel
-from pet.engine.build import build_test_model
 from pet.engine.inference import inference_precision
 from pet.engine.inference_timer import InferenceTimer
 from pet.engine.models import call_model, model_device
 from pet.engine.precision import Precision
-from pet.modeling import FCOS, RTDETR, FasterRCNN, RetinaNet
-from pet.modeling.build import META_ARCH_REGISTRY
-from pet.predict.labels import ONNX_METADATA_KEY, label_space_from_checkpoint, model_label_space
+from pet.modeling.detector import score_thresh_key
+from pet.predict.labels import model_label_space
+from pet.predict.loading import BACKENDS, load_inference_model
 from pet.predict.sources import Collate, Picture, Preparer, Source, Work, build_loader
 from pet.predict.tiling import TileSpec, merge_tiles
 from pet.utils.errors import ConfigError, DataError
@@ -56,9 +52,6 @@ logger = logging.getLogger(__name__)
 # broken one, so an unreadable picture is skipped and counted (DATA.ON_BAD_IMAGE error stops instead).
 PREDICT_DEFAULTS = ("DATA.ON_BAD_IMAGE", "skip")
 
-# Where each built-in detector family keeps its test score threshold, which drops detections inside the model; a
-# subclass (Mask, Keypoint and Cascade R-CNN, or a user's own detector) keeps it where its base does.
-_SCORE_NODES = {FasterRCNN: "ROI_HEADS", RetinaNet: "RETINANET", FCOS: "FCOS", RTDETR: "RTDETR"}
 
 
 @dataclass
@@ -125,11 +118,14 @@ def predict_cfg(cfg_file: str, opts: Sequence[str] = ()) -> CfgNode:
 
 def model_score_thresh(cfg: CfgNode) -> tuple[str, float] | None:
     """The model's test score threshold: its config key (``MODEL.ROI_HEADS.SCORE_THRESH_TEST`` ...) and value;
-    None for a detector that derives from none of Pet's (or is built by a function)."""
-    arch = META_ARCH_REGISTRY.get(cfg.MODEL.META_ARCHITECTURE)
-    node = next((node for base, node in _SCORE_NODES.items() if isinstance(arch, type) and issubclass(arch, base)),
-                None)
-    return (f"MODEL.{node}.SCORE_THRESH_TEST", cfg.MODEL[node].SCORE_THRESH_TEST) if node else None
+    None for a detector without one (:attr:`pet.modeling.Detector.score_thresh_key`)."""
+    key = score_thresh_key(cfg)
+    if key is None:
+        return None
+    node: Any = cfg
+    for part in key.split("."):
+        node = node[part]
+    return key, float(node)
 
 
 def with_score_thresh(cfg: CfgNode, threshold: float | None) -> CfgNode:
@@ -171,8 +167,8 @@ class Predictor:
                  label_space: LabelSpace | None = None) -> None:
         self.cfg = cfg if isinstance(cfg, CfgNode) else predict_cfg(cfg, opts)
         register_custom_datasets(self.cfg)
-        if backend not in ("pytorch", "onnxruntime"):
-            raise ConfigError(f"backend must be 'pytorch' or 'onnxruntime', got {backend!r}.")
+        if backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}.")
         if max_det is not None and max_det <= 0:
             raise ConfigError(f"--max-det must be positive, got {max_det}.")
         self.tiles = TileSpec(tile, tile_overlap, whole_image=tile_whole_image, merge=tile_merge,
@@ -181,15 +177,11 @@ class Predictor:
         self.max_det = max_det
         self.augmentations = build_augmentations(self.cfg, is_train=False)
         recorded, model_file = None, "the given model"
-        if model is None and backend == "onnxruntime":
-            model_file = weights or os.path.join(self.cfg.CKPT, "model.onnx")
-            model, recorded = _onnx_model(model_file)
-        elif model is None:
-            self.cfg = with_score_thresh(self.cfg, score_thresh)
-            model_file = weights or default_weights(self.cfg)
-            checkpoint = load_checkpoint(model_file, unsafe=unsafe_load)  # read once: weights and label space
-            model = build_test_model(self.cfg, weights=model_file, checkpoint=checkpoint)
-            recorded = label_space_from_checkpoint(checkpoint)
+        if model is None:
+            if backend == "pytorch":  # an export computes with the threshold it was exported with
+                self.cfg = with_score_thresh(self.cfg, score_thresh)
+            loaded = load_inference_model(self.cfg, backend, weights or "", unsafe=unsafe_load)
+            model, model_file, recorded = loaded.model, loaded.path, loaded.recorded_labels
         self.model = model.eval()
         self.label_space = label_space or model_label_space(self.cfg, recorded, model_file)
         self._category_ids = np.array((0, *self.label_space.category_ids), dtype=np.int64)
@@ -384,15 +376,6 @@ def _tile_keypoints(outputs: list[dict[str, torch.Tensor]], offsets: torch.Tenso
     for p, offset in zip(points, offsets.numpy()):
         p[..., :2] += offset[:2]
     return np.concatenate(points)
-
-
-def _onnx_model(path: str) -> tuple[torch.nn.Module, list[dict[str, Any]] | None]:
-    """The ONNX export at ``path`` in onnxruntime, and the label space its metadata records."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"ONNX model not found: {path} (write one with tools/export.py, or give --model FILE).")
-    model = OnnxRuntimeModel(path, threads=torch.get_num_threads())
-    recorded = model.session.get_modelmeta().custom_metadata_map.get(ONNX_METADATA_KEY)
-    return model, json.loads(recorded) if recorded else None
 
 
 def _rgb_and_path(image: np.ndarray | str | os.PathLike) -> tuple[np.ndarray, str]:

@@ -41,7 +41,7 @@ picture small enough to need no tiles.
 4. A last class-wise NMS over the result, then the ``max_det`` best.
 
 The margin, the consensus, the views and the fragment rule's conditions were measured (docs/predict.md,
-docs/BENCHMARKS.md): requiring the covering detection to score at least half the fragment's score (an
+docs/benchmarks/tiles.md): requiring the covering detection to score at least half the fragment's score (an
 earlier version of this merge) kept the confident fragments of cut pictures whose whole view scores
 low; no score condition at all let a whole detection at 0.01-0.04 erase an object found at 0.9 by the
 tiles that cut it.
@@ -49,7 +49,7 @@ tiles that cut it.
 :func:`greedy_nmm` is SAHI's default merge (greedy non-maximum merging by intersection over the
 smaller box, class-wise), for comparison: it cannot tell a piece of an object from a neighbouring
 object, so two objects of one class whose boxes overlap by half the smaller are merged into one.
-docs/BENCHMARKS.md compares every merge here, and SAHI's own with each of its settings, against the
+docs/benchmarks/tiles.md compares every merge here, and SAHI's own with each of its settings, against the
 same model on uncut pictures.
 """
 from __future__ import annotations

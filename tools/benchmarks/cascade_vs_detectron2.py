@@ -1,4 +1,4 @@
-"""One-off outside check: Pet's cascade RoI heads against detectron2's ``CascadeROIHeads`` with the same weights.
+"""Outside check: Pet's cascade RoI heads against detectron2's ``CascadeROIHeads`` with the same weights.
 
 Both get the same inputs, image by image over a COCO set (default the shapes val set): Pet's backbone features
 and RPN proposals of a Cascade R-CNN checkpoint. detectron2's heads are built from its own config for the same
@@ -6,25 +6,22 @@ architecture (three stages at IoU 0.5 / 0.6 / 0.7 with weights (10, 10, 5, 5), (
 two fully-connected layers of ``MODEL.ROI_BOX_HEAD.MLP_DIM`` per stage, class-agnostic regression, RoIAlign
 without the half-pixel shift and Pet's sampling ratio) and given Pet's weights: ``fc6`` / ``fc7`` as ``fc1`` /
 ``fc2``, and the class-score rows moved from background first (torchvision's order) to background last
-(detectron2's). The script prints how many detections each gives, how many pair up (same image, label and rank)
-and the largest box and score differences, and exits non-zero when they differ by more than ``--tol``.
+(detectron2's). The check prints how many detections each gives, how many pair up (same image, label and rank)
+and the largest box and score differences; tools/benchmark.py exits with status 1 when they differ by more than
+``--tol``.
 
 detectron2 is not a dependency of Pet: run this with a Python where it is installed (built from its public
-source; its compiled extension is not needed for these heads), e.g.
+source; its compiled extension is not needed for these heads; it is imported only when this check runs), e.g.
 
-    PYTHONPATH=$PWD:/tmp/d2 /tmp/d2venv/bin/python tools/benchmarks/cascade_vs_detectron2.py \\
+    PYTHONPATH=$PWD:/tmp/d2 /tmp/d2venv/bin/python tools/benchmark.py cascade-detectron2 \\
         --cfg cfgs/shapes/cascade_rcnn_R-10-FPN.yaml --weights ckpts/bench/cascade_s1/model_final.pth
 """
 from __future__ import annotations
 
 import argparse
-import sys
+from typing import TYPE_CHECKING, Any
 
 import torch
-from detectron2.config import get_cfg
-from detectron2.layers import ShapeSpec
-from detectron2.modeling.roi_heads.cascade_rcnn import CascadeROIHeads
-from detectron2.structures import Boxes, ImageList, Instances
 from torchvision.models.detection.image_list import ImageList as TvImageList
 
 from pet.checkpoint import load_weights
@@ -33,9 +30,20 @@ from pet.data import build_test_loader
 from pet.modeling import build_model
 from pet.modeling.preprocess import image_sizes
 
+from .common import format_fingerprint
+
+if TYPE_CHECKING:
+    from detectron2.modeling.roi_heads.cascade_rcnn import CascadeROIHeads
+
+__all__ = ["add_arguments", "cascade_vs_detectron2"]
+
 
 def detectron2_heads(cfg, strides: dict[str, int]) -> CascadeROIHeads:
     """detectron2's cascade heads for Pet's config ``cfg`` over feature maps of ``strides``."""
+    from detectron2.config import get_cfg
+    from detectron2.layers import ShapeSpec
+    from detectron2.modeling.roi_heads.cascade_rcnn import CascadeROIHeads
+
     box, cascade = cfg.MODEL.ROI_BOX_HEAD, cfg.MODEL.ROI_BOX_CASCADE_HEAD
     d2 = get_cfg()
     d2.MODEL.ROI_HEADS.NAME = "CascadeROIHeads"
@@ -74,14 +82,25 @@ def copy_weights(pet_heads: torch.nn.Module, d2_heads: CascadeROIHeads) -> None:
             d2_predictor.bbox_pred.bias.copy_(predictor.bbox_pred.bias)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cfg", default="cfgs/shapes/cascade_rcnn_R-10-FPN.yaml")
     parser.add_argument("--weights", required=True, help="a Pet Cascade R-CNN checkpoint")
     parser.add_argument("--tol", type=float, default=1e-3, help="largest box (px) and score difference accepted")
     parser.add_argument("--images", type=int, default=0, help="compare on the first N images only (0: all)")
-    parser.add_argument("opts", nargs=argparse.REMAINDER)
-    args = parser.parse_args()
+    parser.add_argument("--opts", nargs="*", default=[], help="config overrides (KEY VALUE ...)")
+    parser.add_argument("--out", default="benchmarks/cascade_detectron2.json")
+
+
+def cascade_vs_detectron2(args: argparse.Namespace, fingerprint: dict) -> dict[str, Any]:
+    """Both heads on the same features and proposals; ``agree`` says whether they gave the same detections."""
+    try:  # detectron2 is the reference, not a dependency of Pet
+        from detectron2.structures import Boxes, ImageList, Instances
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] != "detectron2":
+            raise
+        raise SystemExit("cascade-detectron2 needs detectron2, which Pet does not install: run it with a Python "
+                         "that has it (docs/benchmarks/cascade.md says how).") from None
+    print(format_fingerprint(fingerprint))
     cfg = load_cfg(args.cfg, [*args.opts, "TEST.IMS_PER_BATCH", "1", "DATA.NUM_WORKERS", "0"])
     model = build_model(cfg).eval()
     load_weights(model, args.weights, for_inference=True)
@@ -122,8 +141,5 @@ def main() -> int:
           f"score difference {worst['score']:.2e}")
     agree = counts["pet"] == counts["detectron2"] == counts["paired"] and max(worst.values()) <= args.tol
     print("AGREE" if agree else "DIFFER")
-    return 0 if agree else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return {"cfg": args.cfg, "weights": args.weights, "tol": args.tol, "counts": counts,
+            "largest_difference": worst, "agree": agree}

@@ -15,9 +15,10 @@ from functools import partial
 
 import torch
 
-from benchmarks.common import format_fingerprint, interleaved
 from pet.config import load_cfg
 from pet.data import build_train_loader
+
+from .common import format_fingerprint, interleaved
 
 DATA_SCALES = (320, 352, 384, 416, 448, 480)
 DATA_MAX_SIZE = 800

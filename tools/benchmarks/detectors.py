@@ -34,11 +34,12 @@ from torchvision.models.resnet import BasicBlock
 from torchvision.ops import FrozenBatchNorm2d, MultiScaleRoIAlign
 from torchvision.ops.feature_pyramid_network import LastLevelMaxPool, LastLevelP6P7
 
-from benchmarks.common import format_fingerprint, interleaved
 from pet.config import load_cfg
 from pet.engine.precision import Precision, choose_precision
 from pet.engine.speed_probe import model_probe
 from pet.modeling import build_model
+
+from .common import format_fingerprint, interleaved
 
 __all__ = ["ARCHS", "detectors", "add_arguments"]
 

@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import format_fingerprint, interleaved
 from pet.config import load_cfg
 from pet.engine.hooks import TrainHook
 from pet.engine.trainer import Trainer
+
+from .common import format_fingerprint, interleaved
 
 BATCH = 8
 

@@ -51,7 +51,6 @@ from fvcore.common.config import CfgNode
 from torchvision.models.detection import fasterrcnn_resnet50_fpn
 from torchvision.ops import box_iou
 
-from benchmarks.common import format_fingerprint
 from pet.checkpoint import load_weights
 from pet.cli import build_trainer, seed_everything
 from pet.config import load_cfg
@@ -71,6 +70,8 @@ from pet.engine.trainer import Trainer
 from pet.modeling import META_ARCH_REGISTRY, build_model
 from pet.utils.logger import setup_logger
 from pet.utils.table import format_table
+
+from .common import format_fingerprint
 
 __all__ = ["CHECKS", "add_arguments", "gpu_check", "write_markdown", "exit_status"]
 

@@ -24,13 +24,14 @@ from functools import partial
 
 import torch
 
-from benchmarks.common import format_fingerprint, interleaved
-from benchmarks.detectors import ARCHS, DEMO_BATCH, DEMO_SIZE, _make_confident, _random_scene, _seconds_per_call
 from pet.checkpoint import load_weights
 from pet.config import load_cfg
 from pet.data import get_dataset
 from pet.modeling import build_model
 from pet.utils.cpu import cpu_has_native
+
+from .common import format_fingerprint, interleaved
+from .detectors import ARCHS, DEMO_BATCH, DEMO_SIZE, _make_confident, _random_scene, _seconds_per_call
 
 __all__ = ["onnx_vs_pytorch", "add_arguments"]
 

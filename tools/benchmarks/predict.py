@@ -19,17 +19,22 @@ from typing import Any
 import cv2
 import numpy as np
 import torch
-from make_scene import make_scene
 from torchvision.ops import box_iou
 
-from benchmarks.common import format_fingerprint, interleaved, process_tree_rss
 from pet.config import load_cfg
 from pet.data import generate_shapes
 from pet.engine.build import build_test_hooks
 from pet.engine.inference import evaluate_on_datasets
 from pet.predict import Detections, PredictionWriter, Predictor, Source
 
-__all__ = ["add_arguments", "predict_benchmark", "match"]
+from .common import format_fingerprint, interleaved, process_tree_rss
+
+if __package__ == "benchmarks":  # run by tools/benchmark.py: this package is top-level, tools/ on the path
+    from make_scene import make_scene
+else:  # imported as tools.benchmarks (the repository root on the path)
+    from ..make_scene import make_scene
+
+__all__ = ["add_arguments", "predict_benchmark", "match", "make_scene"]
 
 DEMO = "cfgs/shapes/faster_rcnn_R-10-FPN.yaml"
 

@@ -22,10 +22,11 @@ from functools import partial
 
 import torch
 
-from benchmarks.common import format_fingerprint, interleaved
 from pet.config import load_cfg
 from pet.data import build_train_loader
 from pet.data.samplers import GroupedBatchSampler, TrainingSampler
+
+from .common import format_fingerprint, interleaved
 
 
 class _ItemByItem(torch.utils.data.Sampler):

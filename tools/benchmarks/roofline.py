@@ -34,18 +34,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import format_fingerprint
-from benchmarks.stage_profile import StageProfiler, Tally, detector_stage, named_losses
 from pet.config import load_cfg
 from pet.data.synthetic import synthetic_batch
 from pet.engine.inference import inference_precision
-from pet.engine.models import call_model
+from pet.engine.models import call_model, model_keypoint_count
 from pet.engine.optim import build_optimizer
 from pet.engine.precision import Precision, choose_precision
 from pet.engine.speed_probe import model_probe
 from pet.engine.step import TrainStep
 from pet.modeling import build_model
 from pet.utils.cpu import cpu_native_support
+
+from .common import format_fingerprint
+from .stage_profile import StageProfiler, Tally, detector_stage, named_losses
 
 __all__ = ["DEFAULT_CASES", "measure_peaks", "best_peaks", "build_workload", "roofline", "add_arguments"]
 
@@ -133,7 +134,7 @@ def build_workload(cfg_file: str, opts: Sequence[str], mode: str, precision: str
     cfg = load_cfg(cfg_file, list(opts))
     training = mode == "train"
     model = build_model(cfg).train(training)
-    batch = synthetic_batch(cfg, training=training)
+    batch = synthetic_batch(cfg, training=training, num_keypoints=model_keypoint_count(model, cfg))
     chosen = _precision(cfg, model, batch, training, precision)
     label = f"{cfg_file} {' '.join(opts)}".strip()
     if not training:

@@ -22,12 +22,13 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import format_fingerprint, interleaved
-from benchmarks.detectors import _seconds_per_call
 from pet.config import load_cfg
 from pet.engine.precision import Precision
 from pet.modeling import build_model
 from pet.modeling.rtdetr.weights import convert_transformers_state_dict
+
+from .common import format_fingerprint, interleaved
+from .detectors import _seconds_per_call
 
 __all__ = ["rtdetr_benchmark", "add_arguments"]
 

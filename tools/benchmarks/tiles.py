@@ -31,14 +31,14 @@ from typing import Any
 import cv2
 import numpy as np
 import torch
-from make_scene import make_scene
 
-from benchmarks.common import format_fingerprint
-from benchmarks.predict import match
 from pet.config import load_cfg
 from pet.predict import Detections, Predictor
 from pet.predict.predictor import Picture
 from pet.predict.tiling import MERGES, TileSpec, merge_tiles
+
+from .common import format_fingerprint
+from .predict import make_scene, match
 
 __all__ = ["add_arguments", "tiles_benchmark"]
 
@@ -60,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-det", type=int, default=5000,
                         help="detections kept per picture after the merge (tools/predict.py's --max-det): above "
                              "what the pictures hold, so that the cap does not decide")
-    parser.add_argument("--sahi", action="store_true", help="also SAHI (needs sahi importable, see docs/BENCHMARKS.md)")
+    parser.add_argument("--sahi", action="store_true",
+                        help="also SAHI (needs sahi importable, see docs/benchmarks/tiles.md)")
     parser.add_argument("--sahi-conf", type=float, default=0.3, help="SAHI's confidence_threshold (its default)")
     parser.add_argument("--shapes", default="data/shapes", help="the demo set (the quick start generates it)")
     parser.add_argument("--data", default="data/tiles_benchmark", help="where the generated scenes are kept")
@@ -163,7 +164,7 @@ def sahi_runs(model: Any, picture: Scored, tile: int, overlap: float, batch: int
               settings: list[tuple[str, str, bool]]) -> dict[tuple[str, str, bool], tuple[dict[str, float], float]]:
     """SAHI's default (its whole-image pass included) timed as it runs, then every setting on the cached slice
     predictions: each one's score and seconds (the default's slicing and inference, plus its postprocess)."""
-    from benchmarks.sahi_pet import sahi_predict  # sahi is optional: imported only when asked for
+    from .sahi_pet import sahi_predict  # sahi is optional: imported only when asked for
     model.cache = {}
     det, durations = sahi_predict(model, picture.image, tile, overlap, batch=batch, standard_pred=True,
                                   setting=SAHI_DEFAULT)
@@ -216,7 +217,7 @@ def tiles_benchmark(args: argparse.Namespace, machine: dict[str, Any]) -> dict[s
     sahi_model, settings = None, SAHI_SETTINGS
     if args.sahi:
         try:  # sahi is the reference, not a dependency of Pet
-            from benchmarks.sahi_pet import PetDetectionModel, sahi_grid
+            from .sahi_pet import PetDetectionModel, sahi_grid
         except ModuleNotFoundError as error:
             if (error.name or "").split(".")[0] != "sahi":
                 raise

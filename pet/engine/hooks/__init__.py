@@ -11,10 +11,10 @@ from pet.engine.hooks.checkpoint import BestCheckpointHook, CheckpointHook
 from pet.engine.hooks.early_stopping import EarlyStoppingHook
 from pet.engine.hooks.ema import EMAHook
 from pet.engine.hooks.evaluation import EvalHook, default_eval_function
+from pet.engine.hooks.inference_speed import TestHook
 from pet.engine.hooks.per_step import IterationTimer, LRScheduler, PeriodicWriter
 from pet.engine.hooks.precise_bn import PreciseBN
 from pet.engine.hooks.system import EmptyCacheHook, ProfilerHook, SyncBuffersHook
-from pet.engine.hooks.test_hook import TestHook
 from pet.engine.inference import TestCallback
 
 __all__ = [

@@ -14,14 +14,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 from enum import IntEnum
-from typing import Any, Protocol
+from typing import Any
 
-import torch
-from fvcore.common.config import CfgNode
-
-from pet.checkpoint import Checkpointer
-from pet.engine.events import EventStorage
-from pet.engine.loops import TrainLoop
+from pet.engine.loops import TrainerLike
 from pet.utils.errors import ConfigError
 from pet.utils.registry import Registry
 from pet.utils.table import format_table
@@ -73,45 +68,8 @@ MOUNT_POINTS = (
     "after_val",
     "before_save_checkpoint",
     "after_load_checkpoint",
+    "before_stop",
 )
-
-
-class TrainerLike(Protocol):
-    """What a hook may rely on in ``trainer`` (:class:`pet.engine.trainer.Trainer` has all of it; so must a
-    trainer of your own that runs Pet's hooks). A Protocol because hooks are imported by the trainer module.
-
-    ``iter`` and ``storage.iter`` are one counter: the 1-based number of the current
-    iteration inside a step, the number of iterations completed outside one (so
-    ``start_iter`` in ``before_train``, and after a failure the last completed one).
-    ``epoch`` is the 0-based index of the current epoch. ``stop_training``: set it to end
-    the run cleanly after this step (validation and the final checkpoint still happen).
-    ``checkpointer`` (:class:`pet.checkpoint.Checkpointer`) writes and reads every checkpoint;
-    ``loop`` (:mod:`pet.engine.loops`) is the mode: ``loop.ends_period(iteration, n)`` counts in its unit.
-    """
-
-    cfg: CfgNode
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    data_loader: Any
-    storage: EventStorage
-    device: torch.device
-    output_dir: str
-    hooks: HookList
-    iter: int
-    start_iter: int
-    max_iter: int
-    epoch: int
-    max_epochs: int
-    iters_per_epoch: int
-    stop_training: bool
-    last_step_seconds: float
-    last_data_seconds: float
-
-    checkpointer: Checkpointer
-    loop: TrainLoop
-
-    def call_hooks(self, point: str, **kwargs: Any) -> None: ...
 
 
 class TrainHook:
@@ -156,34 +114,18 @@ class TrainHook:
     def after_load_checkpoint(self, **kwargs: Any) -> None:
         """With the ``checkpoint`` dict just loaded for a resume; may read keys."""
 
+    def before_stop(self, **kwargs: Any) -> None:
+        """When training stops outside the schedule (SIGTERM / SIGINT, a dead data-loading worker), after the last
+        completed iteration and before ``after_train``: CheckpointHook saves that iteration here (the loop saves
+        ``model_iter{N}.pth`` itself when no hook did)."""
+
     def __repr__(self) -> str:
         return type(self).__name__
 
-    # "Is this step due?", for every hook: ``trainer.iter`` is the 1-based number of the
-    # current iteration (iterations completed, once after_step runs), as ``storage.iter``.
-    @staticmethod
-    def every_n_iters(trainer: TrainerLike, n: int) -> bool:
-        """The current iteration is a multiple of ``n`` (never for ``n <= 0``)."""
-        return n > 0 and trainer.iter % n == 0
-
+    # Whether a period ended is the loop's rule, in either unit: ``trainer.loop.ends_period(trainer.iter, n)``.
     @staticmethod
     def is_last_iter(trainer: TrainerLike) -> bool:
         return trainer.iter >= trainer.max_iter
-
-    @staticmethod
-    def is_epoch_end(trainer: TrainerLike) -> bool:
-        """The current iteration ends an epoch (epoch mode only)."""
-        return trainer.iters_per_epoch > 0 and trainer.iter % trainer.iters_per_epoch == 0
-
-    @staticmethod
-    def epochs_completed(trainer: TrainerLike) -> int:
-        """Whole epochs completed when the current iteration ends (0 in iteration mode)."""
-        return trainer.iter // trainer.iters_per_epoch if trainer.iters_per_epoch > 0 else 0
-
-    @classmethod
-    def every_n_epochs(cls, trainer: TrainerLike, n: int) -> bool:
-        """The current iteration ends an epoch whose number is a multiple of ``n``."""
-        return n > 0 and cls.is_epoch_end(trainer) and cls.epochs_completed(trainer) % n == 0
 
     @staticmethod
     def finished(trainer: TrainerLike) -> bool:
@@ -201,7 +143,7 @@ class HookList:
     - **Dispatch**: calling the list, ``hooks("after_step", trainer=..., storage=...)``, calls that
       mount point on every hook that overrides it, in order; hooks that keep a point's no-op are
       skipped, so an idle mount point costs nothing.
-    - **State keys**: :meth:`state_dicts` / :meth:`load_state_dicts` key each stateful hook by its
+    - **State keys**: :meth:`state_dict` / :meth:`load_state_dict` key each stateful hook by its
       class name, then ``Name.1``, ``Name.2``, ... in *registration* order, so changing one hook's
       priority does not swap the states of two hooks of the same class, and the first hook of a
       class keeps the plain name (checkpoints from before repeats were keyed load).
@@ -269,12 +211,12 @@ class HookList:
                 keyed.append((f"{name}.{repeat}" if repeat else name, hook))
         return keyed
 
-    def state_dicts(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """``{key: hook.state_dict()}`` for every hook with a ``state_dict`` (keys: see the class docstring)."""
         return {key: hook.state_dict() for key, hook in self._stateful()}
 
-    def load_state_dicts(self, states: dict[str, Any]) -> None:
-        """Give each stateful hook its entry of ``states`` (as :meth:`state_dicts` keyed it), when there is one."""
+    def load_state_dict(self, states: dict[str, Any]) -> None:
+        """Give each stateful hook its entry of ``states`` (as :meth:`state_dict` keyed it), when there is one."""
         for key, hook in self._stateful():
             if states.get(key) is not None and hasattr(hook, "load_state_dict"):
                 hook.load_state_dict(states[key])

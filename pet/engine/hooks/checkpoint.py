@@ -45,9 +45,8 @@ class CheckpointHook(TrainHook):
     ``save_last``, after the last iteration, which is also published as ``model_final.pth``
     (a hard link: no extra disk). A run stopped through ``trainer.stop_training``
     (early stopping) gets that last checkpoint too, a run stopped by SIGTERM / SIGINT or a
-    dead data-loading worker a regular one (:meth:`save_now`, the checkpointer's
-    ``stop_saver``); a failed run none. ``max_keep`` > 0 keeps only the newest N regular
-    checkpoints this hook knows of. ``save_optimizer`` / ``save_scheduler`` False make them
+    dead data-loading worker a regular one (:meth:`before_stop`); a failed run none. ``max_keep`` > 0 keeps
+    only the newest N regular checkpoints this hook knows of. ``save_optimizer`` / ``save_scheduler`` False make them
     smaller but a resume then restarts the optimizer's momentum / the schedule.
     ``published_keys`` writes, after training, a copy of the final checkpoint with only
     those top-level keys (``["model"]`` for deployment) named
@@ -81,21 +80,23 @@ class CheckpointHook(TrainHook):
     def before_train(self, trainer: TrainerLike, **kwargs: Any) -> None:
         if self.by_epoch and trainer.max_epochs <= 0:
             raise ConfigError("HOOKS.CHECKPOINT.BY_EPOCH needs epoch mode (SOLVER.MAX_EPOCHS > 0)")
-        if trainer.checkpointer.stop_saver is None:  # the first CheckpointHook saves a stop's checkpoint
-            trainer.checkpointer.stop_saver = lambda: self.save_now(trainer)
 
     def after_step(self, trainer: TrainerLike, **kwargs: Any) -> None:
-        if self.by_epoch:
-            if self.is_epoch_end(trainer) and self._due(self.epochs_completed(trainer)):
-                self._save_regular(trainer, f"model_epoch{self.epochs_completed(trainer)}.pth")
-        elif self._due(trainer.iter):
-            self._save_regular(trainer, f"model_iter{trainer.iter}.pth")
+        if trainer.loop.ends_period(trainer.iter, self.period, self.unit, self.save_begin):
+            self._save_regular(trainer, self._name(trainer), {"trainer": trainer, **kwargs})
+
+    def before_stop(self, trainer: TrainerLike, **kwargs: Any) -> None:
+        """Save the iterations completed as a regular checkpoint, for a stop outside the schedule (SIGTERM /
+        SIGINT, a dead data-loading worker): where this hook writes, in the kept list (MAX_KEEP applies),
+        named by ``last_checkpoint``; nothing twice when this step's checkpoint is written already. Every
+        process runs it (the book-keeping must match); only the main process writes."""
+        self._save_unless_saved(trainer, {"trainer": trainer, **kwargs})
 
     def after_train(self, trainer: TrainerLike, **kwargs: Any) -> None:
         if not self.finished(trainer):
             return  # a failed or interrupted run: its last good checkpoint stays the newest
         if self.save_last or trainer.stop_training:
-            self._save_unless_saved(trainer)
+            self._save_unless_saved(trainer, {"trainer": trainer, **kwargs})
             trainer.checkpointer.link_final(self.last_saved_name, self._dir(trainer))
             if self.published_keys:
                 trainer.checkpointer.publish(self.published_keys, self._dir(trainer))
@@ -111,34 +112,26 @@ class CheckpointHook(TrainHook):
             self.last_saved_iter, self.last_saved_name = completed, name
 
     # ------------------------------------------------------------------ regular checkpoints
-    def save_now(self, trainer: TrainerLike) -> str:
-        """Save the iterations completed so far as a regular checkpoint now; its path.
+    @property
+    def unit(self) -> str:
+        """What ``period`` and ``save_begin`` count (:meth:`pet.engine.loops.TrainLoop.ends_period`)."""
+        return "epoch" if self.by_epoch else "iter"
 
-        For a stop outside the schedule (SIGTERM / SIGINT): the file goes where this hook
-        writes, joins the kept list (MAX_KEEP applies) and ``last_checkpoint`` names it. When
-        this step's checkpoint is already written, nothing is written twice. Call it on every
-        process (the book-keeping must match); only the main process writes.
-        """
-        self._save_unless_saved(trainer)
-        return os.path.join(self._dir(trainer), self.last_saved_name)
-
-    def _save_unless_saved(self, trainer: TrainerLike) -> None:
+    def _save_unless_saved(self, trainer: TrainerLike, hook_kwargs: dict[str, Any]) -> None:
         last = os.path.join(self._dir(trainer), self.last_saved_name)
         if self.last_saved_iter != trainer.iter or not os.path.isfile(last):
-            self._save_regular(trainer, self._last_name(trainer))
+            self._save_regular(trainer, self._name(trainer), hook_kwargs)
 
-    def _due(self, step: int) -> bool:
-        return self.period > 0 and step >= self.save_begin and (step - self.save_begin) % self.period == 0
-
-    def _last_name(self, trainer: TrainerLike) -> str:
-        if self.by_epoch and self.is_epoch_end(trainer):
-            return f"model_epoch{self.epochs_completed(trainer)}.pth"
+    def _name(self, trainer: TrainerLike) -> str:
+        """``model_epoch{N}.pth`` at the end of epoch N when counting epochs, else ``model_iter{N}.pth``."""
+        if trainer.loop.ends_period(trainer.iter, 1, self.unit):
+            return f"model_{self.unit}{trainer.loop.completed(trainer.iter, self.unit)}.pth"
         return f"model_iter{trainer.iter}.pth"
 
     def _dir(self, trainer: TrainerLike) -> str:
         return self.out_dir or trainer.output_dir
 
-    def _save_regular(self, trainer: TrainerLike, name: str) -> None:
+    def _save_regular(self, trainer: TrainerLike, name: str, hook_kwargs: dict[str, Any]) -> None:
         # Book-keeping first (on every process, so all hold the same state), so the
         # checkpoint records itself as kept and the pruning it implies.
         self.last_saved_iter, self.last_saved_name = trainer.iter, name
@@ -149,7 +142,8 @@ class CheckpointHook(TrainHook):
         self.kept = self.kept[len(stale):]
         directory = self._dir(trainer)
         checkpointer = trainer.checkpointer
-        checkpointer.save(name, save_dir=directory, optimizer=self.save_optimizer, scheduler=self.save_scheduler,
+        checkpointer.save(name, iteration=trainer.iter, epoch=trainer.epoch, hook_kwargs=hook_kwargs,
+                          save_dir=directory, optimizer=self.save_optimizer, scheduler=self.save_scheduler,
                           all_ranks=True)
         for old in stale:  # only once last_checkpoint names the new, complete file
             checkpointer.remove(old, directory, f"HOOKS.CHECKPOINT.MAX_KEEP {self.max_keep}")
@@ -220,13 +214,13 @@ class BestCheckpointHook(TrainHook):
         self._pending = dict(metrics)
 
     def after_step(self, trainer: TrainerLike, **kwargs: Any) -> None:
-        self._save_improved(trainer)
+        self._save_improved(trainer, {"trainer": trainer, **kwargs})
 
     def after_train(self, trainer: TrainerLike, **kwargs: Any) -> None:
         if self.finished(trainer):  # the validation EvalHook.after_train may have run
-            self._save_improved(trainer)
+            self._save_improved(trainer, {"trainer": trainer, **kwargs})
 
-    def _save_improved(self, trainer: TrainerLike) -> None:
+    def _save_improved(self, trainer: TrainerLike, hook_kwargs: dict[str, Any]) -> None:
         metrics, self._pending = self._pending, None
         if not metrics:
             return
@@ -235,7 +229,8 @@ class BestCheckpointHook(TrainHook):
                 continue
             name = "model_best_" + re.sub(r"[^A-Za-z0-9._-]+", "_", metric) + ".pth"
             best = {"metric": metric, "value": self.best[metric], "iter": trainer.iter}
-            trainer.checkpointer.save(name, save_dir=self.out_dir, update_last=False, optimizer=self.save_optimizer,
+            trainer.checkpointer.save(name, iteration=trainer.iter, epoch=trainer.epoch, hook_kwargs=hook_kwargs,
+                                      save_dir=self.out_dir, update_last=False, optimizer=self.save_optimizer,
                                       scheduler=self.save_scheduler, extra={"best": best})
             logger.info(f"New best {metric} {self.best[metric]:.4f} after iteration {trainer.iter}: {name}")
 

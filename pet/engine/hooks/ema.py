@@ -103,7 +103,7 @@ class EMAHook(TrainHook):
     def after_step(self, trainer: TrainerLike, **kwargs: Any) -> None:
         if not self._started(trainer):
             torch._foreach_copy_(self._ema, self._params)
-        elif self.every_n_iters(trainer, self.period):
+        elif trainer.loop.ends_period(trainer.iter, self.period, "iter"):
             torch._foreach_lerp_(self._ema, self._params, self.momentum_at(self.steps))
             self.steps += 1
 

@@ -64,7 +64,7 @@ class PeriodicWriter(TrainHook):
             self.writers = list(self._writers_fn(trainer))
 
     def after_step(self, trainer: TrainerLike, storage: EventStorage, **kwargs: Any) -> None:
-        if self.every_n_iters(trainer, self.period) or self.is_last_iter(trainer):
+        if trainer.loop.ends_period(trainer.iter, self.period, "iter") or self.is_last_iter(trainer):
             self._write(trainer, storage)
 
     def after_train(self, trainer: TrainerLike, storage: EventStorage, **kwargs: Any) -> None:

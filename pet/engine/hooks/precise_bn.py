@@ -99,7 +99,7 @@ class PreciseBN(TrainHook):
     def after_step(self, trainer: TrainerLike, **kwargs: Any) -> None:
         if self._disabled:
             return
-        if self.every_n_iters(trainer, self.period) or self.is_last_iter(trainer):
+        if trainer.loop.ends_period(trainer.iter, self.period, "iter") or self.is_last_iter(trainer):
             self.update_stats(trainer)
 
     def update_stats(self, trainer: TrainerLike) -> None:

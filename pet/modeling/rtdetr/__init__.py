@@ -1,13 +1,14 @@
 """RT-DETR: Pet's own modules (backbone, hybrid encoder, query selection, denoising, decoder, matcher, losses).
 
-See :mod:`pet.modeling.rtdetr.detector` for the model and :mod:`pet.modeling.rtdetr.weights` for loading
-transformers' weights.
+See :mod:`pet.modeling.rtdetr.detector` for the model, :mod:`pet.modeling.rtdetr.graph` for its export graph and
+:mod:`pet.modeling.rtdetr.weights` for loading transformers' weights.
 """
 from pet.modeling.rtdetr.backbone import ResNetVd, resnet_vd
 from pet.modeling.rtdetr.criterion import RTDETRCriterion
 from pet.modeling.rtdetr.detector import RTDETR
+from pet.modeling.rtdetr.graph import RTDETRGraph
 from pet.modeling.rtdetr.matcher import RTDETR_MATCHER_REGISTRY, HungarianMatcher
 from pet.modeling.rtdetr.weights import TRANSFORMERS_TO_PET, convert_transformers_state_dict
 
-__all__ = ["RTDETR", "ResNetVd", "resnet_vd", "RTDETRCriterion", "HungarianMatcher", "RTDETR_MATCHER_REGISTRY",
-           "TRANSFORMERS_TO_PET", "convert_transformers_state_dict"]
+__all__ = ["RTDETR", "RTDETRGraph", "ResNetVd", "resnet_vd", "RTDETRCriterion", "HungarianMatcher",
+           "RTDETR_MATCHER_REGISTRY", "TRANSFORMERS_TO_PET", "convert_transformers_state_dict"]

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 from fvcore.common.config import CfgNode
-from torch import nn
 from torchvision.ops import box_convert
 
 from pet.modeling.backbone import build_backbone
 from pet.modeling.build import META_ARCH_REGISTRY
+from pet.modeling.detector import Detector
 from pet.modeling.postprocess import detections_to_original
 from pet.modeling.preprocess import Normalizer, image_sizes
 from pet.modeling.rtdetr.criterion import RTDETRCriterion
@@ -36,7 +36,7 @@ __all__ = ["RTDETR"]
 
 
 @META_ARCH_REGISTRY.register()
-class RTDETR(nn.Module):
+class RTDETR(Detector):
     """``forward(images, targets)`` as :class:`pet.modeling.FasterRCNN`: uint8 ``[B, 3, H, W]`` padded images and
     per-image targets; training returns the loss terms (:mod:`pet.modeling.rtdetr.criterion`), eval per-image
     ``boxes`` / ``scores`` / ``labels`` (1..NUM_CLASSES) in original-image pixels. Test-time timers: ``backbone``,
@@ -46,8 +46,9 @@ class RTDETR(nn.Module):
     class_dependent_prefixes: tuple[str, ...] = ("decoder.class_heads.", "decoder.query_selection.score_head.",
                                                  "decoder.denoising.label_embed.")
     # The encoder doubles the stride-32 map and concatenates it with the stride-16 one (and so on down to stride 8):
-    # the padded height and width must divide by 32 (INPUT.SIZE_DIVISIBILITY; pet.deploy's export reads it too).
+    # the padded height and width must divide by 32 (INPUT.SIZE_DIVISIBILITY, and the export's sizes).
     size_multiple = 32
+    score_thresh_key = "MODEL.RTDETR.SCORE_THRESH_TEST"
 
     def __init__(self, cfg: CfgNode) -> None:
         super().__init__()
@@ -59,7 +60,7 @@ class RTDETR(nn.Module):
                               f"every padded batch must divide by {self.size_multiple}. Set INPUT.SIZE_DIVISIBILITY "
                               f"{self.size_multiple}.")
         self.num_classes = cfg.MODEL.NUM_CLASSES
-        self.detections_per_img = node.DETECTIONS_PER_IMAGE  # the other detectors' name, which pet.deploy reads
+        self.detections_per_img = node.DETECTIONS_PER_IMAGE
         self.score_thresh = node.SCORE_THRESH_TEST
         self.normalizer = Normalizer(cfg)
         self.backbone = build_backbone(cfg)
@@ -87,6 +88,12 @@ class RTDETR(nn.Module):
 
     def forward(self, images: torch.Tensor, targets: list[dict[str, Any]]
                 ) -> dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]:
+        return self._forward(images, targets, to_original=True)
+
+    def network_detections(self, images: torch.Tensor, targets: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return self._forward(images, targets, to_original=False)
+
+    def _forward(self, images: torch.Tensor, targets: list[dict[str, Any]], to_original: bool) -> Any:
         sizes = image_sizes(targets)
         x = self.normalizer(images, sizes)
         height, width = x.shape[-2:]
@@ -105,7 +112,7 @@ class RTDETR(nn.Module):
                                                               width)
             detections = [{"boxes": b[k], "scores": s[k], "labels": c[k]}
                           for b, s, c, k in zip(boxes, scores, labels, keep)]
-            return detections_to_original(detections, targets)
+            return detections_to_original(detections, targets) if to_original else detections
 
     def top_detections(self, logits: torch.Tensor, boxes: torch.Tensor, height: int, width: int
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,7 +1,9 @@
-"""The torchvision parity harness: Pet's five R-50-FPN detectors against torchvision's, holding the same weights.
+"""Pet against the reference implementations: its five R-50-FPN detectors against torchvision's, same weights.
 
 The ``*_parity_*`` tests (``pytest -q tests -k parity``) call :func:`check_inference_parity` and
 :func:`check_training_parity`. Both sides run as shipped; the harness only chooses the weights and the inputs.
+Its pairing of detections (:func:`match_detections`, :class:`Tolerance`) also serves RT-DETR against transformers'
+and the ONNX export tests. (The export's own gate is :mod:`pet.deploy.parity`.)
 
 **Models.** Pet's model is built from ``cfgs/coco/<arch>_R-50-FPN_1x.yaml`` as it ships (R-50, FrozenBN, stem and
 res2 frozen, channels-last, torchvision's thresholds and sampling); only the loader's resize is made small

@@ -1,7 +1,8 @@
 """COCO-like ground truth without images, and detections a detector could have made of any ground truth.
 
-For checking and timing evaluators (tests/test_coco_backends.py, ``tools/benchmark.py coco-eval``):
-no model, no pictures, only annotations, seeded so that the same arguments give the same data.
+For checking and timing evaluators: the tests of the COCO backends and the diagnostics (tests/test_coco_backends.py,
+tests/test_diagnostics.py) on small sets, ``tools/benchmark.py coco-eval`` on a COCO-sized one, which loads this
+file from tests/. No model, no pictures, only annotations, seeded so that the same arguments give the same data.
 
 Ground truth (:func:`synthetic_ground_truth`) follows COCO val2017's statistics roughly: 7.3
 objects per image on average with a long tail, a long-tailed class frequency, object sizes spread

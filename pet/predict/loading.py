@@ -1,0 +1,60 @@
+"""One way to load a detector for inference, whatever runs it: tools/test_net.py, tools/predict.py and
+:class:`pet.predict.Predictor` all call :func:`load_inference_model`.
+
+``backend`` "pytorch": the config's model with its weights (``path``, else :func:`pet.config.default_weights`)
+on ``DEVICE``; "onnxruntime": an ONNX export of tools/export.py (``path``, else ``CKPT/model.onnx``) in
+onnxruntime, with the threads PyTorch would use. ``--backend auto`` is decided before, by
+:func:`pet.deploy.backend.resolve_backend`, which names one of the two.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from fvcore.common.config import CfgNode
+
+from pet.checkpoint import load_checkpoint
+from pet.config import default_weights
+from pet.deploy.onnxruntime_model import OnnxRuntimeModel
+from pet.engine.build import build_test_model
+from pet.predict.labels import ONNX_METADATA_KEY, label_space_from_checkpoint
+from pet.utils.errors import ConfigError
+
+__all__ = ["BACKENDS", "InferenceModel", "load_inference_model"]
+
+# What runs a detector at inference.
+BACKENDS = ("pytorch", "onnxruntime")
+
+
+@dataclass
+class InferenceModel:
+    """A detector ready for inference: ``model`` (a PyTorch detector or an :class:`OnnxRuntimeModel`, both with
+    Pet's batch contract), the ``backend`` that runs it, the ``path`` it was loaded from and the label space the
+    file records (:meth:`pet.data.categories.LabelSpace.to_list` entries; None when it records none)."""
+
+    model: torch.nn.Module
+    backend: str
+    path: str
+    recorded_labels: list[dict[str, Any]] | None
+
+
+def load_inference_model(cfg: CfgNode, backend: str = "pytorch", path: str = "", *,
+                         unsafe: bool = False) -> InferenceModel:
+    """The detector of ``cfg`` for ``backend`` from ``path`` (defaults in the module docstring); ``unsafe`` loads
+    a PyTorch checkpoint with ``weights_only=False``."""
+    if backend == "onnxruntime":
+        path = path or os.path.join(cfg.CKPT, "model.onnx")
+        if not os.path.isfile(path):
+            raise ConfigError(f"ONNX model not found: {path} (write one with tools/export.py, or give --model FILE).")
+        model = OnnxRuntimeModel(path, threads=torch.get_num_threads())  # the threads PyTorch would use
+        recorded = model.session.get_modelmeta().custom_metadata_map.get(ONNX_METADATA_KEY)
+        return InferenceModel(model, backend, path, json.loads(recorded) if recorded else None)
+    if backend == "pytorch":
+        path = path or default_weights(cfg)
+        checkpoint = load_checkpoint(path, unsafe=unsafe)  # read once: weights and label space
+        model = build_test_model(cfg, weights=path, checkpoint=checkpoint)
+        return InferenceModel(model, backend, path, label_space_from_checkpoint(checkpoint))
+    raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}.")
