@@ -22,7 +22,7 @@ _EXTRAS = {
     **_OPTIONAL,
     # pytest-xdist: tests run one thread each, so one worker per core (pytest.ini) halves the suite on 2 cores.
     # transformers: the reference RT-DETR (RTDetrForObjectDetection, RTDetrImageProcessor) that
-    # tests/test_rtdetr_parity.py compares Pet's modules with; 5.x lays out RT-DETR's sine position embedding
+    # tests/modeling/test_rtdetr_parity.py compares Pet's modules with; 5.x lays out RT-DETR's sine position embedding
     # as the parity tests expect on non-square maps.
     "test": ["pytest>=7", "pytest-xdist>=3.5", "ruff", "transformers>=5,<6"]
     + [req for reqs in _OPTIONAL.values() for req in reqs],

@@ -73,45 +73,13 @@ import time
 import torch
 
 # Python runs this file with its own folder, tools/, on the path: the package is "benchmarks" then. With the
-# repository root on the path instead (the tests run this file in their process; PYTHONPATH=$PWD), "tools.benchmarks".
+# repository root on the path instead (the tests run this file in their process), "tools.benchmarks".
 try:
-    from tools.benchmarks import (
-        cascade_vs_detectron2,
-        coco_eval,
-        data,
-        detectors,
-        engine,
-        gpu,
-        onnx,
-        predict,
-        resume_skip,
-        roofline,
-        rtdetr,
-        strict_iou_ap,
-        tiles,
-        ultralytics_rtdetr,
-    )
-    from tools.benchmarks.common import fingerprint
+    from tools import benchmarks
 except ModuleNotFoundError as error:
-    if error.name not in ("tools", "tools.benchmarks"):
+    if error.name != "tools":
         raise
-    from benchmarks import (
-        cascade_vs_detectron2,
-        coco_eval,
-        data,
-        detectors,
-        engine,
-        gpu,
-        onnx,
-        predict,
-        resume_skip,
-        roofline,
-        rtdetr,
-        strict_iou_ap,
-        tiles,
-        ultralytics_rtdetr,
-    )
-    from benchmarks.common import fingerprint
+    import benchmarks  # type: ignore[no-redef]
 
 
 def main() -> None:
@@ -122,40 +90,54 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="benchmarks/engine.json")
     for kind, what in (("train", "training step"), ("infer", "inference")):
-        detectors.add_arguments(sub.add_parser(kind, help=f"detectors' {what} against torchvision's"), kind)
+        benchmarks.detectors.add_arguments(sub.add_parser(kind, help=f"detectors' {what} against torchvision's"),
+                                           kind)
     p = sub.add_parser("data", help="training data pipeline against PIL + torchvision.transforms.v2")
     p.add_argument("--workers", type=int, nargs="+", default=[0],
                    help="DataLoader workers to measure, e.g. 0 1 (the demo config uses 1)")
     p.add_argument("--batches", type=int, default=40, help="batches per timed run")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="benchmarks/data.json")
-    coco_eval.add_arguments(sub.add_parser("coco-eval", help="COCO evaluation: pycocotools against faster-coco-eval"))
-    onnx.add_arguments(sub.add_parser("onnx", help="PyTorch inference against the ONNX export in onnxruntime"))
-    predict.add_arguments(sub.add_parser("predict", help="tools/predict.py: streams and video"))
-    tiles.add_arguments(sub.add_parser("tiles", help="tiled prediction against uncut pictures and SAHI"))
-    resume_skip.add_arguments(sub.add_parser("resume-skip", help="first batch after a resume, two ways of skipping"))
-    rtdetr.add_arguments(sub.add_parser("rtdetr", help="RT-DETR against transformers' on the same weights"))
-    roofline.add_arguments(sub.add_parser("roofline", help="peak GFLOP/s, and each stage's and layer's share of it"))
-    gpu.add_arguments(sub.add_parser("gpu", help="the checks to run on a CUDA GPU, one report"))
-    cascade_vs_detectron2.add_arguments(sub.add_parser(
+    benchmarks.coco_eval.add_arguments(sub.add_parser(
+        "coco-eval", help="COCO evaluation: pycocotools against faster-coco-eval"))
+    benchmarks.onnx.add_arguments(sub.add_parser(
+        "onnx", help="PyTorch inference against the ONNX export in onnxruntime"))
+    benchmarks.predict.add_arguments(sub.add_parser("predict", help="tools/predict.py: streams and video"))
+    benchmarks.tiles.add_arguments(sub.add_parser("tiles", help="tiled prediction against uncut pictures and SAHI"))
+    benchmarks.resume_skip.add_arguments(sub.add_parser(
+        "resume-skip", help="first batch after a resume, two ways of skipping"))
+    benchmarks.rtdetr.add_arguments(sub.add_parser("rtdetr", help="RT-DETR against transformers' on the same weights"))
+    benchmarks.roofline.add_arguments(sub.add_parser(
+        "roofline", help="peak GFLOP/s, and each stage's and layer's share of it"))
+    benchmarks.gpu.add_arguments(sub.add_parser("gpu", help="the checks to run on a CUDA GPU, one report"))
+    benchmarks.cascade_vs_detectron2.add_arguments(sub.add_parser(
         "cascade-detectron2", help="cascade RoI heads against detectron2's on the same weights (needs detectron2)"))
-    strict_iou_ap.add_arguments(sub.add_parser("strict-iou-ap", help="AP at IoU 0.75 and 0.9 of finished runs"))
-    ultralytics_rtdetr.add_arguments(sub.add_parser(
+    benchmarks.strict_iou_ap.add_arguments(sub.add_parser(
+        "strict-iou-ap", help="AP at IoU 0.75 and 0.9 of finished runs"))
+    benchmarks.ultralytics_rtdetr.add_arguments(sub.add_parser(
         "ultralytics-rtdetr", help="Ultralytics' RT-DETR trainer on the shapes set (needs ultralytics)"))
     args = parser.parse_args()
     if args.command in ("train", "infer", "onnx", "rtdetr", "roofline"):
         torch.set_num_threads(args.threads)
     if args.command in ("train", "infer"):
-        run = detectors.detectors
+        run = benchmarks.detectors.detectors
     else:
-        run = {"engine": engine.engine, "data": data.data, "coco-eval": coco_eval.coco_eval,
-               "onnx": onnx.onnx_vs_pytorch, "predict": predict.predict_benchmark,
-               "tiles": tiles.tiles_benchmark, "resume-skip": resume_skip.resume_skip,
-               "rtdetr": rtdetr.rtdetr_benchmark, "roofline": roofline.roofline,
-               "gpu": gpu.gpu_check, "cascade-detectron2": cascade_vs_detectron2.cascade_vs_detectron2,
-               "strict-iou-ap": strict_iou_ap.strict_iou_ap,
-               "ultralytics-rtdetr": ultralytics_rtdetr.ultralytics_rtdetr}[args.command]
-    machine = fingerprint()
+        run = {
+            "engine": benchmarks.engine.engine,
+            "data": benchmarks.data.data,
+            "coco-eval": benchmarks.coco_eval.coco_eval,
+            "onnx": benchmarks.onnx.onnx_vs_pytorch,
+            "predict": benchmarks.predict.predict_benchmark,
+            "tiles": benchmarks.tiles.tiles_benchmark,
+            "resume-skip": benchmarks.resume_skip.resume_skip,
+            "rtdetr": benchmarks.rtdetr.rtdetr_benchmark,
+            "roofline": benchmarks.roofline.roofline,
+            "gpu": benchmarks.gpu.gpu_check,
+            "cascade-detectron2": benchmarks.cascade_vs_detectron2.cascade_vs_detectron2,
+            "strict-iou-ap": benchmarks.strict_iou_ap.strict_iou_ap,
+            "ultralytics-rtdetr": benchmarks.ultralytics_rtdetr.ultralytics_rtdetr,
+        }[args.command]
+    machine = benchmarks.common.fingerprint()
     result = {"command": " ".join(sys.argv), "machine": machine, "date": time.strftime("%Y-%m-%d"),
               **run(args, machine)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -164,9 +146,9 @@ def main() -> None:
     print(f"wrote {args.out}")
     if args.command == "gpu":
         summary = os.path.splitext(args.out)[0] + ".md"
-        gpu.write_markdown(result, summary)
+        benchmarks.gpu.write_markdown(result, summary)
         print(f"wrote {summary}")
-        sys.exit(gpu.exit_status(result))
+        sys.exit(benchmarks.gpu.exit_status(result))
     if args.command == "cascade-detectron2" and not result["agree"]:
         sys.exit(1)
 

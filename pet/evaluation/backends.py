@@ -2,7 +2,7 @@
 
 ``pycocotools`` is the reference. ``faster`` is faster-coco-eval (``pip install faster-coco-eval``,
 the ``fast-eval`` extra): the same algorithm with the per-image matching and the accumulation in
-C++, about 3-4x faster on COCO-sized sets. Both give the same numbers (tests/test_coco_backends.py
+C++, about 3-4x faster on COCO-sized sets. Both give the same numbers (tests/evaluation/test_coco_backends.py
 requires the 12 summary numbers to agree within 1e-6 on perturbed, empty, crowd and area-range cases;
 measured: equal up to float summation order, ~1e-16). What that needs from faster-coco-eval,
 checked on 1.8.0:

@@ -4,7 +4,7 @@ The parts are torchvision's, assembled from the config under the module names of
 ``torchvision.models.detection.fasterrcnn_resnet50_fpn`` (``backbone.body``,
 ``backbone.fpn``, ``rpn.head``, ``roi_heads.box_head``, ``roi_heads.box_predictor``), so
 its weights load as they are and, with the same input, give torchvision's detections (bit-identical
-to its model run channels-last, as Pet runs by default; tests/against_reference.py).
+to its model run channels-last, as Pet runs by default; tests/support/against_reference.py).
 """
 from __future__ import annotations
 

@@ -3,10 +3,10 @@
 The parts are torchvision's, assembled from ``MODEL.FCOS`` under the module names of
 ``torchvision.models.detection.fcos_resnet50_fpn`` (``backbone.body``, ``backbone.fpn``,
 ``anchor_generator``, ``head.classification_head``, ``head.regression_head``), so its weights
-load as they are and, with the same input, give torchvision's detections (tests/against_reference.py). Training uses
-torchvision's ``compute_loss`` (centre sampling, per-level size ranges, focal, GIoU and
-centerness losses), testing its ``postprocess_detections``. The head is the ``MODEL.FCOS.HEAD_NAME``
-entry of ``DENSE_HEAD_REGISTRY``.
+load as they are and, with the same input, give torchvision's detections
+(tests/support/against_reference.py). Training uses torchvision's ``compute_loss`` (centre sampling, per-level size
+ranges, focal, GIoU and centerness losses), testing its ``postprocess_detections``. The head is the
+``MODEL.FCOS.HEAD_NAME`` entry of ``DENSE_HEAD_REGISTRY``.
 """
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ FPN together, because the FPN's inputs are ResNet stages and its levels must mat
 reuses :func:`pet.modeling.backbone.build_resnet` and :func:`~pet.modeling.backbone.freeze_stages` and
 returns a module that keeps the ResNet under the name ``body`` (ImageNet ResNet weights load into
 ``backbone.body``), has ``out_channels``, and returns as many levels as ``MODEL.FPN.RETURNED_LAYERS`` and
-``TOP_BLOCK`` describe, finest first (``tests/test_modeling.py`` has a complete one)::
+``TOP_BLOCK`` describe, finest first (``tests/modeling/test_modeling.py`` has a complete one)::
 
     @BACKBONE_REGISTRY.register()
     def resnet_my_neck(cfg):

@@ -3,9 +3,9 @@
 The parts are torchvision's, assembled from ``MODEL.RETINANET`` under the module names of
 ``torchvision.models.detection.retinanet_resnet50_fpn`` (``backbone.body``, ``backbone.fpn``,
 ``anchor_generator``, ``head.classification_head``, ``head.regression_head``), so its weights
-load as they are and, with the same input, give torchvision's detections (tests/against_reference.py). Training uses
-torchvision's ``compute_loss`` (IoU matching, sigmoid focal loss, L1 box loss), testing its
-``postprocess_detections`` (per-level top-k, class-wise NMS). The head is the
+load as they are and, with the same input, give torchvision's detections
+(tests/support/against_reference.py). Training uses torchvision's ``compute_loss`` (IoU matching, sigmoid focal loss, L1
+box loss), testing its ``postprocess_detections`` (per-level top-k, class-wise NMS). The head is the
 ``MODEL.RETINANET.HEAD_NAME`` entry of ``DENSE_HEAD_REGISTRY``.
 """
 from __future__ import annotations

@@ -5,3 +5,23 @@ from the repository root it is ``tools.benchmarks`` (the tests: pytest.ini's ``p
 each other relatively, so either works; optional references (detectron2, ultralytics, sahi, transformers, mmengine)
 are imported only inside the subcommand that needs them.
 """
+from . import (
+    cascade_vs_detectron2,
+    coco_eval,
+    common,
+    data,
+    detectors,
+    engine,
+    gpu,
+    onnx,
+    predict,
+    resume_skip,
+    roofline,
+    rtdetr,
+    strict_iou_ap,
+    tiles,
+    ultralytics_rtdetr,
+)
+
+__all__ = ["cascade_vs_detectron2", "coco_eval", "common", "data", "detectors", "engine", "gpu", "onnx", "predict",
+           "resume_skip", "roofline", "rtdetr", "strict_iou_ap", "tiles", "ultralytics_rtdetr"]

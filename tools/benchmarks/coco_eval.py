@@ -1,6 +1,6 @@
 """coco-eval: seconds of one COCO evaluation with pycocotools against faster-coco-eval, bbox and segm.
 
-The data is tests/synthetic_coco.py's COCO-like set (default 5,000 images, 80 classes,
+The data is tests/support/synthetic_coco.py's COCO-like set (default 5,000 images, 80 classes,
 ~7.3 objects per image, polygon masks, ~1 % crowd regions) and detections made from it the way a
 trained detector errs (jittered boxes and masks, wrong classes, duplicates, misses, background;
 at most 100 per image). A timed run is what COCOEvaluator.evaluate() does in tools/test_net.py:
@@ -15,10 +15,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import importlib.util
 import io
 import logging
-import os
 import statistics
 import tempfile
 import time
@@ -31,19 +29,7 @@ from pycocotools.coco import COCO
 from pet.evaluation import backends
 from pet.evaluation.diagnostics import write_diagnostics
 
-from .common import format_fingerprint, interleaved
-
-# The generator is the tests' (one copy, where its edge cases are tested): loaded from its file, without putting
-# tests/ on the import path, to make a COCO-sized set here.
-SYNTHETIC_COCO = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests",
-                              "synthetic_coco.py")
-
-
-def _synthetic_coco() -> Any:
-    spec = importlib.util.spec_from_file_location("synthetic_coco", SYNTHETIC_COCO)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from .common import format_fingerprint, interleaved, test_support
 
 BACKENDS = ("pycocotools", "faster")
 
@@ -111,7 +97,7 @@ def coco_eval(args: argparse.Namespace, fingerprint: dict) -> dict:
 
     logging.getLogger("pet").setLevel(logging.WARNING)
     start = time.perf_counter()
-    synthetic = _synthetic_coco()
+    synthetic = test_support("synthetic_coco")  # the tests' generator, one copy
     ground_truth = synthetic.synthetic_ground_truth(args.images, args.classes, seed=args.seed)
     detections = synthetic.synthetic_detections(ground_truth, seed=args.seed, masks="segm" in args.tasks)
     setup = time.perf_counter() - start

@@ -1,8 +1,10 @@
 """What every benchmark shares: interleaved runs and the machine fingerprint printed with each table."""
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -10,7 +12,9 @@ import torchvision
 
 from pet.utils.cpu import cpu_class, cpu_has_native, cpu_int8_support, cpu_model_name, cpu_native_support
 
-__all__ = ["interleaved", "fingerprint", "format_fingerprint", "process_tree_rss"]
+__all__ = ["interleaved", "fingerprint", "format_fingerprint", "test_support"]
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def interleaved(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[Any]]:
@@ -54,19 +58,11 @@ def format_fingerprint(fp: dict[str, Any]) -> str:
             f"torch {fp['torch']}, torchvision {fp['torchvision']}")
 
 
-def process_tree_rss(pid: int | None = None) -> int:
-    """Resident memory (bytes) of process ``pid`` (default: this one) and all its descendants (DataLoader
-    workers), from /proc: what the machine holds for a run, workers included."""
-    pid = os.getpid() if pid is None else pid
-    total, pending = 0, [pid]
-    while pending:
-        current = pending.pop()
-        try:
-            with open(f"/proc/{current}/status", encoding="utf-8") as f:
-                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-            for task in os.listdir(f"/proc/{current}/task"):
-                with open(f"/proc/{current}/task/{task}/children", encoding="utf-8") as f:
-                    pending += [int(child) for child in f.read().split()]
-        except (OSError, StopIteration):  # the process ended meanwhile
-            continue
-    return total
+def test_support(name: str) -> ModuleType:
+    """The module ``tests/support/<name>.py``, loaded from its file: the one copy of what the tests and a benchmark
+    both need (a synthetic COCO set, a process tree's memory), without putting tests/ on the import path."""
+    path = os.path.join(REPO, "tests", "support", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"pet_test_support_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

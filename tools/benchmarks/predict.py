@@ -27,7 +27,7 @@ from pet.engine.build import build_test_hooks
 from pet.engine.inference import evaluate_on_datasets
 from pet.predict import Detections, PredictionWriter, Predictor, Source
 
-from .common import format_fingerprint, interleaved, process_tree_rss
+from .common import format_fingerprint, interleaved, test_support
 
 if __package__ == "benchmarks":  # run by tools/benchmark.py: this package is top-level, tools/ on the path
     from make_scene import make_scene
@@ -92,6 +92,8 @@ def _stream(args: argparse.Namespace) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as out:
             evaluate_on_datasets(cfg, predictor.model, out, timer, hooks)
         return timer.speed_summary()["images_per_second"]
+
+    process_tree_rss = test_support("memory").process_tree_rss
 
     def predict() -> float:
         rss = {}

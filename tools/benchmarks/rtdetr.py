@@ -3,9 +3,9 @@
 The pair is R18 (the model of the hub's PekingU/rtdetr_r18vd: ``RTDetrConfig`` with a basic-block ResNet-18-vd,
 80 classes) with random weights (``use_pretrained_backbone=False``: nothing is downloaded); Pet's model is
 cfgs/coco/rtdetr_R-18.yaml and takes the reference's ``state_dict`` through Pet's key mapping
-(:mod:`pet.modeling.rtdetr.weights`), as tests/test_rtdetr_parity.py does. Both run in the same memory format and,
-per row, the same precision (float32, then bfloat16 autocast), on the same random pixels: the reference gets them as
-float in [0, 1], Pet as the uint8 it normalises itself.
+(:mod:`pet.modeling.rtdetr.weights`), as tests/modeling/test_rtdetr_parity.py does. Both run in the same memory format
+and, per row, the same precision (float32, then bfloat16 autocast), on the same random pixels: the reference gets them
+as float in [0, 1], Pet as the uint8 it normalises itself.
 
 Inference is milliseconds per image at batch 1, the model and its post-processing (the reference's
 ``RTDetrImageProcessor.post_process_object_detection``, Pet's own top-k in the model); training is seconds per

@@ -3,7 +3,7 @@
 ResNet-vd backbone -> hybrid encoder -> query selection -> decoder with deformable attention; one prediction
 per query, matched one-to-one to the objects in training, so there is no NMS: the test-time output is the
 top-scoring (query, class) pairs. Equal to transformers' ``RTDetrForObjectDetection`` for the same weights and
-pixels (tests/test_rtdetr_parity.py); its ``state_dict`` loads through :mod:`pet.modeling.rtdetr.weights`.
+pixels (tests/modeling/test_rtdetr_parity.py); its ``state_dict`` loads through :mod:`pet.modeling.rtdetr.weights`.
 
 Boxes are predicted as (cx, cy, w, h) in [0, 1] of the padded input tensor (the reference resizes every image
 to a square without padding, where the two coincide); targets are normalised the same way.

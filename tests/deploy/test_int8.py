@@ -1,0 +1,362 @@
+"""int8 inference (pet/deploy/int8.py, tools/export.py --int8) and the choice of backend (pet/deploy/backend.py,
+tools/test_net.py --backend auto).
+
+The gate needs a model whose AP means something, without training one: a tiny Faster R-CNN with random weights (the
+export tests' tiny model) detects on generated shapes images, and its most confident detections become the ground
+truth of those images. The float model then scores close to 100 AP, and an int8 model scores what quantization
+costs it. tools/export.py exports the model once; --check-only --int8 then quantizes that export twice:
+calibrated on the training images (written, within the tolerance), and calibrated on blank images of the same names
+and annotations (the damage: activations' ranges measured on nothing; the gate must refuse it). The tools run in
+this process (support.helpers.run_tool_captured): a process each would add seconds of imports.
+
+The backend choice is checked with the CPU's flags faked: the rule is a table of CPU classes, not a timing.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import cv2
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from pet.config import load_cfg
+from pet.data import DatasetMapper, collate_batch, read_image
+from pet.deploy.backend import WEIGHTS_SHA256_KEY, choose_backend, exported_models, int8_path
+from pet.deploy.int8 import int8_image_sets
+from pet.engine import precision as precision_module
+from pet.engine.inference import inference_precision
+from pet.engine.speed_probe import Measurement
+from pet.modeling import build_model
+from pet.utils import cpu as cpu_module
+from pet.utils.errors import DataError, PetError
+from pet.utils.files import file_sha256
+from support.helpers import CFGS, custom_datasets, run_tool_captured, run_tool_here
+from support.tiny_models import TINY_TWO_STAGE, randomize_norms, rescale_layer_output
+
+CFG = os.path.join(CFGS, "shapes", "faster_rcnn_R-10-FPN.yaml")
+# The tiny Faster R-CNN at a small test size, one image a batch.
+TINY_FASTER_RCNN = [*TINY_TWO_STAGE, "INPUT.MIN_SIZE_TEST", "160", "INPUT.MAX_SIZE_TEST", "214",
+        "TEST.IMS_PER_BATCH", "1", "DATA.NUM_WORKERS", "0", "TEST.NUM_WARMUP", "0"]
+# AP points. int8 costs this random model 2-15 AP on its own detections depending on the parts (random features are
+# far more fragile than trained ones: the trained demo lost none, docs/benchmarks/cpu-inference.md); blank
+# calibration costs ~95.
+TOLERANCE = "20"
+
+
+def pseudo_labels(model: torch.nn.Module, cfg, root: str, split: str, out: str, per_image: int = 4) -> str:
+    """A COCO file of ``split``'s images whose objects are ``model``'s detections above one score, the score that
+    leaves ``per_image`` of them per image on average (one threshold for all images: an image's objects then all
+    outscore every other image's non-objects, and the model's own AP is 100)."""
+    with open(os.path.join(root, "annotations", f"{split}.json")) as f:
+        data = json.load(f)
+    mapper = DatasetMapper.from_config(cfg, is_train=False)
+    found = []
+    for entry in data["images"]:
+        record = {"image_id": entry["id"], "boxes": np.zeros((0, 4), dtype=np.float32), "labels": []}
+        image = read_image(os.path.join(root, split, entry["file_name"]))
+        batch = collate_batch([mapper(record, image, np.random.default_rng(0))], cfg.INPUT.SIZE_DIVISIBILITY)
+        with torch.no_grad():
+            detections = model(*batch)[0]
+        found += [(entry["id"], *d) for d in zip(detections["boxes"].tolist(), detections["labels"].tolist(),
+                                                 detections["scores"].tolist())]
+    threshold = sorted((score for *_, score in found), reverse=True)[per_image * len(data["images"])]
+    annotations = [{"id": i + 1, "image_id": image_id, "category_id": label, "iscrowd": 0,
+                    "bbox": [x0, y0, x1 - x0, y1 - y0], "area": (x1 - x0) * (y1 - y0)}
+                   for i, (image_id, (x0, y0, x1, y1), label, score) in enumerate(found) if score > threshold]
+    with open(out, "w") as f:
+        json.dump({**data, "annotations": annotations}, f)
+    return out
+
+
+def blank_copies(image_dir: str, out: str) -> str:
+    """``image_dir``'s images, same names and sizes, every pixel grey."""
+    os.makedirs(out)
+    for name in os.listdir(image_dir):
+        height, width = cv2.imread(os.path.join(image_dir, name)).shape[:2]
+        cv2.imwrite(os.path.join(out, name), np.full((height, width, 3), 127, np.uint8))
+    return out
+
+
+@dataclass
+class Int8Runs:
+    opts: list[str]  # the tiny model, its datasets, CKPT
+    weights: str
+    ckpt: str
+    export: subprocess.CompletedProcess
+    calibrated: subprocess.CompletedProcess  # --int8 calibrated on the training images
+    damaged: subprocess.CompletedProcess  # --int8 calibrated on blank images
+    damaged_output: str
+    val_images: str
+
+
+@pytest.fixture(scope="module")
+def int8_runs(tmp_path_factory, shapes_set) -> Int8Runs:
+    root = shapes_set(num_train=40, num_val=16)
+    work = tmp_path_factory.mktemp("int8")
+    ckpt = str(work / "ckpt")
+    cfg = load_cfg(CFG, [*TINY_FASTER_RCNN, "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.0"])
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    randomize_norms(model)
+    mapper = DatasetMapper.from_config(cfg, is_train=False)
+    image = read_image(os.path.join(root, "val", sorted(os.listdir(os.path.join(root, "val")))[0]))
+    sample = mapper({"image_id": 1, "boxes": np.zeros((0, 4), dtype=np.float32), "labels": []}, image,
+                    np.random.default_rng(0))
+    rescale_layer_output(model, "roi_heads.box_predictor.cls_score",
+                         collate_batch([sample], cfg.INPUT.SIZE_DIVISIBILITY))
+    weights = str(work / "tiny.pth")
+    torch.save(model.state_dict(), weights)
+    labels = {split: pseudo_labels(model, cfg, root, split, str(work / f"{split}.json")) for split in ("train", "val")}
+    blank = blank_copies(os.path.join(root, "train"), str(work / "blank"))
+    datasets = custom_datasets(("int8_train", labels["train"], f"{root}/train"),
+                               ("int8_val", labels["val"], f"{root}/val"),
+                               ("int8_blank", labels["train"], blank))
+    opts = [*TINY_FASTER_RCNN, "DATA.CUSTOM", datasets, "TRAIN.DATASETS", "('int8_train',)", "TEST.DATASETS",
+            "('int8_val',)", "CKPT", ckpt]
+    output = os.path.join(ckpt, "model.onnx")
+    export = run_tool_captured("export.py", "--cfg", CFG, "--weights", weights, "--output", output, *opts)
+    assert export.returncode == 0, export.stderr[-3000:]
+    damaged_output = str(work / "damaged" / "model.onnx")
+    os.makedirs(os.path.dirname(damaged_output))
+    shutil.copy(output, damaged_output)
+    int8 = ["--check-only", "--int8", "--calib", "16", "--int8-tolerance", TOLERANCE]
+    calibrated = run_tool_captured("export.py", "--cfg", CFG, "--weights", weights, "--output", output, *int8, *opts)
+    damaged = run_tool_captured("export.py", "--cfg", CFG, "--weights", weights, "--output", damaged_output, *int8,
+                                *opts, "TRAIN.DATASETS", "('int8_blank',)")
+    return Int8Runs(opts, weights, ckpt, export, calibrated, damaged, damaged_output, f"{root}/val")
+
+
+@pytest.mark.slow
+@pytest.mark.numeric
+def test_int8_calibrated_on_training_images_passes_its_gate_and_is_written(int8_runs):
+    run = int8_runs.calibrated
+    assert run.returncode == 0, f"{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+    path = int8_path(os.path.join(int8_runs.ckpt, "model.onnx"))
+    assert "int8 gate passed: bbox AP" in run.stdout and os.path.isfile(path)
+    meta = {p.key: p.value for p in onnx.load(path).metadata_props}
+    gate = json.loads(meta["pet.int8.gate"])
+    assert gate["images"] == 16 and gate["dataset"] == "int8_val" and gate["tolerance"] == float(TOLERANCE)
+    assert gate["ap"]["float32"]["bbox"] - gate["ap"]["int8"]["bbox"] <= float(TOLERANCE)
+    assert gate["ap"]["float32"]["bbox"] > 90  # the pseudo labels are the float model's own detections
+    # What runs int8 is chosen on the selection images; this random model loses AP in some parts.
+    assert set(meta["pet.int8.parts"].split(",")) <= {"backbone.body", "backbone.fpn", "rpn.head", "roi_heads.box_head"}
+    assert meta["pet.int8.reduce_range"] == str(not cpu_module.cpu_int8_support().native)
+    ops = {node.op_type for node in onnx.load(path).graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear", "NonMaxSuppression", "RoiAlign"} <= ops
+
+
+@pytest.mark.slow
+@pytest.mark.numeric
+def test_the_gate_refuses_an_int8_model_calibrated_on_blank_images_with_one_line_and_exit_2(int8_runs):
+    run = int8_runs.damaged
+    assert run.returncode == 2, f"{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: int8 gate failed: bbox AP"), run.stderr[-2000:]
+    assert "points below float32's" in lines[0] and f"(tolerance {TOLERANCE})" in lines[0]
+    assert not os.path.exists(int8_path(int8_runs.damaged_output))
+    assert not [name for name in os.listdir(os.path.dirname(int8_runs.damaged_output)) if name.startswith(".int8")]
+
+
+def test_test_net_backend_auto_runs_the_fastest_export_here_and_says_why(int8_runs, tmp_path):
+    opts = [*int8_runs.opts, "TEST.WEIGHTS", int8_runs.weights]
+    expected = choose_backend(load_cfg(CFG, opts), exported_models(load_cfg(CFG, opts)))
+    assert expected.model in ("", os.path.join(int8_runs.ckpt, "model.onnx"),
+                              int8_path(os.path.join(int8_runs.ckpt, "model.onnx")))
+    run = run_tool_captured("test_net.py", "--cfg", CFG, "--backend", "auto", *opts, "TEST.DIAGNOSTICS.ENABLED",
+                            "False")
+    assert run.returncode == 0, f"{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+    with open(os.path.join(int8_runs.ckpt, "log.txt")) as f:
+        log = f.read()
+    assert f"--backend auto: {expected}" in log
+    with open(os.path.join(int8_runs.ckpt, "test", "metrics.json")) as f:
+        assert json.load(f)["metrics"]["bbox/AP"] > 50
+
+
+def test_predict_backend_auto_makes_test_nets_choice_and_predicts_with_it(int8_runs, tmp_path):
+    opts = [*int8_runs.opts, "TEST.WEIGHTS", int8_runs.weights]
+    expected = choose_backend(load_cfg(CFG, opts), exported_models(load_cfg(CFG, opts)))
+    out = tmp_path / "predict"
+    run = run_tool_captured("predict.py", "--cfg", CFG, "--input", int8_runs.val_images, "--output", out, "--save",
+                            "csv", "--backend", "auto", *opts)
+    assert run.returncode == 0, f"{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+    with open(out / "log.txt") as f:
+        assert f"--backend auto: {expected}" in f.read()
+    with open(out / "predictions.csv") as f:
+        assert len(f.read().splitlines()) > 16  # the header and detections on the 16 images
+
+
+def test_an_int8_model_is_offered_only_beside_the_float_export_it_was_quantized_from(int8_runs, tmp_path):
+    """The int8 model computes with the thresholds of the export it was quantized from. Re-exporting model.onnx (here
+    with another score threshold, made from the first) leaves it beside the new export, recording the same weights:
+    --backend auto passes it over, saying why. Alone in CKPT (nothing newer contradicts it) it is offered, the log
+    saying it is unchecked."""
+    float_path = os.path.join(int8_runs.ckpt, "model.onnx")
+    opts = [*int8_runs.opts, "TEST.WEIGHTS", int8_runs.weights]
+    assert exported_models(load_cfg(CFG, opts)) == {"float32": float_path, "int8": int8_path(float_path)}
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copy(int8_path(float_path), ckpt)
+    cfg = load_cfg(CFG, [*opts, "CKPT", str(ckpt)])
+    passed_over: list[str] = []
+    assert exported_models(cfg, passed_over) == {"int8": str(ckpt / "model.int8.onnx")}
+    assert passed_over == [f"{ckpt / 'model.int8.onnx'} offered unchecked: {ckpt / 'model.onnx'}, the float export it "
+                           "must have been quantized from, is not there to show that it computes with that export's "
+                           "thresholds"]
+    assert passed_over[0] in choose_backend(cfg, {"int8": str(ckpt / "model.int8.onnx")}, passed_over).reason
+    # Exported again: another float export of the same weights (tools/export.py records them, test_export checks).
+    # Made from the first by changing its recorded score threshold, which changes its bytes as an export with
+    # another threshold does: that is all the choice reads, and a real export would cost ~25 s of CPU.
+    again = onnx.load(float_path)
+    next(p for p in again.metadata_props if p.key == "pet.score_thresh").value = "0.5"
+    onnx.save(again, str(ckpt / "model.onnx"))
+    passed_over = []
+    assert exported_models(cfg, passed_over) == {"float32": str(ckpt / "model.onnx")}
+    assert len(passed_over) == 1 and passed_over[0].startswith(
+        f"{ckpt / 'model.int8.onnx'} passed over: it was quantized from an earlier export than {ckpt / 'model.onnx'}")
+    assert passed_over[0] in choose_backend(cfg, {"float32": str(ckpt / "model.onnx")}, passed_over).reason
+
+
+def test_with_a_checkpoint_out_dir_test_net_export_and_auto_take_the_final_weights_there(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """Training writes model_final.pth to HOOKS.CHECKPOINT.OUT_DIR when set: that is the default weights of all
+    three (one helper), not CKPT/model_final.pth."""
+    ckpt, out_dir = tmp_path / "ckpt", tmp_path / "weights"
+    ckpt.mkdir()
+    opts = ["CKPT", str(ckpt), "HOOKS.CHECKPOINT.OUT_DIR", str(out_dir)]
+    for tool in ("test_net.py", "export.py"):  # nothing trained yet: each names where it looked
+        status, stderr = run_tool_here(monkeypatch, capsys, tool, "--cfg", CFG, *opts)
+        assert status == 2 and f"Weights file not found: {out_dir / 'model_final.pth'} " in stderr, tool
+    out_dir.mkdir()
+    (out_dir / "model_final.pth").write_bytes(b"the final weights")
+    _export_recording(ckpt / "model.onnx", file_sha256(str(out_dir / "model_final.pth")))
+    assert exported_models(load_cfg(CFG, opts)) == {"float32": str(ckpt / "model.onnx")}
+
+
+def test_without_onnxruntime_the_int8_module_says_how_to_install_it(monkeypatch):
+    for name in [name for name in sys.modules if name == "onnxruntime" or name.startswith("onnxruntime.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # what Python does with a package that is not installed
+    monkeypatch.delitem(sys.modules, "pet.deploy.int8")
+    with pytest.raises(PetError, match=r'is not installed, and int8 quantization needs it: pip install -e "\.\[export'):
+        importlib.import_module("pet.deploy.int8")
+
+
+def test_the_three_image_sets_are_disjoint_even_when_training_and_test_sets_are_one(shapes_root):
+    one = custom_datasets(("int8_one", f"{shapes_root}/annotations/val.json", f"{shapes_root}/val"))
+    cfg = load_cfg(CFG, ["DATA.CUSTOM", one, "TRAIN.DATASETS", "('int8_one',)", "TEST.DATASETS", "('int8_one',)"])
+    sets = int8_image_sets(cfg, calibration=2, selection=10, gate=2)  # 6 images: 2 gate, 2 calibration, 2 left
+    files = {name: {r["file_name"] for r in getattr(sets, name)} for name in ("calibration", "selection", "gate")}
+    assert [len(f) for f in files.values()] == [2, 2, 2]
+    assert not files["calibration"] & files["selection"]
+    assert not files["gate"] & (files["calibration"] | files["selection"])
+    with pytest.raises(DataError, match="has only 4 that are not test images"):
+        int8_image_sets(cfg, calibration=4, selection=1, gate=2)
+
+
+# ------------------------------------------------------------------------------------------------ the choice
+# CPU classes as torch's CPUID reader reports them (lower-case flags), the capability torch's kernels use and, where
+# the CPU has bfloat16 instructions, how much faster TEST.AMP auto measures bfloat16 than float32 there.
+ZEN4 = ({"avx512_bf16": True, "avx512_vnni": True, "avx_vnni": True}, "AVX512", 1.7)  # also Sapphire Rapids (+AMX)
+NO_AMX = ({"avx512_bf16": True, "avx512_vnni": True, "avx_vnni": True}, "AVX512", 0.7)  # an Intel VM hiding AMX
+ICE_LAKE = ({"avx512_vnni": True}, "AVX512", None)  # AVX-512 with VNNI, no bfloat16
+SKYLAKE_SP = ({}, "AVX512", None)  # AVX-512 without VNNI
+ALDER_LAKE = ({"avx_vnni": True}, "AVX2", None)  # AVX2 with AVX-VNNI
+HASWELL = ({}, "AVX2", None)
+BOTH = {"float32": "m.onnx", "int8": "m.int8.onnx"}
+
+
+def fake_cpu(monkeypatch, cpu: tuple[dict[str, bool], str, float | None]) -> None:
+    """This process sees the CPU class ``cpu`` (flags, capability, bfloat16's measured speed-up), with no
+    instruction-set cap in force."""
+    flags, capability, speedup = cpu
+    monkeypatch.setattr(precision_module, "measured_speedup",
+                        lambda probe, dtype: Measurement("bfloat16", speedup, 1.0, rounds=3))
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(cpu_module, "_cpu_flags", lambda: {"avx2": True, **flags})
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+
+
+@pytest.mark.parametrize("cpu, available, opts, expected", [
+    (ZEN4, BOTH, [], ("onnxruntime", "m.int8.onnx", "int8")),
+    (ZEN4, {"float32": "m.onnx"}, [], ("pytorch", "", "bfloat16")),
+    (ZEN4, {}, [], ("pytorch", "", "bfloat16")),
+    (NO_AMX, {"float32": "m.onnx"}, [], ("onnxruntime", "m.onnx", "float32")),  # bfloat16 measured slower
+    (NO_AMX, {}, [], ("pytorch", "", "float32")),
+    (ZEN4, {"float32": "m.onnx"}, ["TEST.AMP.ENABLED", "False"], ("onnxruntime", "m.onnx", "float32")),
+    (ICE_LAKE, BOTH, [], ("onnxruntime", "m.int8.onnx", "int8")),
+    (ICE_LAKE, {"float32": "m.onnx"}, [], ("onnxruntime", "m.onnx", "float32")),
+    (SKYLAKE_SP, BOTH, [], ("onnxruntime", "m.onnx", "float32")),
+    (ALDER_LAKE, BOTH, [], ("onnxruntime", "m.int8.onnx", "int8")),
+    (HASWELL, BOTH, [], ("onnxruntime", "m.onnx", "float32")),
+    (HASWELL, {"int8": "m.int8.onnx"}, [], ("pytorch", "", "float32")),
+    (HASWELL, {}, [], ("pytorch", "", "float32")),
+    # TEST.AMP True autocasts anywhere, but bfloat16 without native support is emulated: the export is faster.
+    (HASWELL, {"float32": "m.onnx"}, ["TEST.AMP.ENABLED", "True"], ("onnxruntime", "m.onnx", "float32")),
+    (SKYLAKE_SP, BOTH, ["TEST.AMP.ENABLED", "True"], ("onnxruntime", "m.onnx", "float32")),
+    (HASWELL, {}, ["TEST.AMP.ENABLED", "True"], ("pytorch", "", "bfloat16")),  # what the PyTorch run will do
+    (ZEN4, {"float32": "m.onnx"}, ["TEST.AMP.ENABLED", "True"], ("pytorch", "", "bfloat16")),
+])
+def test_auto_chooses_by_the_cpu_class_as_the_benchmark_table_says(monkeypatch, cpu, available, opts, expected):
+    fake_cpu(monkeypatch, cpu)
+    choice = choose_backend(load_cfg(CFG, ["DEVICE", "cpu", *opts]), available)
+    assert (choice.backend, choice.model, choice.precision) == expected
+    if "int8" in available and expected[2] != "int8":
+        assert "int8 passed over because this CPU has no AVX512_VNNI, AVX_VNNI or AMX_INT8" in choice.reason
+
+
+def test_emulated_bfloat16_is_warned_about_only_when_pytorch_runs_it(monkeypatch, caplog):
+    """TEST.AMP True where bfloat16 is emulated: with an export, --backend auto runs it in float32 and nothing runs
+    bfloat16, so nothing warns; without one, PyTorch runs bfloat16, and its run warns (once) when it starts."""
+    fake_cpu(monkeypatch, HASWELL)
+    monkeypatch.setattr(precision_module, "_warned", set())
+    cfg = load_cfg(CFG, ["DEVICE", "cpu", "TEST.AMP.ENABLED", "True"])
+    with caplog.at_level(logging.WARNING, logger="pet"):
+        assert choose_backend(cfg, {"float32": "m.onnx"}).precision == "float32"
+        choice = choose_backend(cfg, {})
+        assert not caplog.records
+        assert (choice.backend, choice.precision) == ("pytorch", "bfloat16")
+        assert inference_precision(cfg, build_model(cfg)).name == "bfloat16"  # the PyTorch run's own decision
+    assert len(caplog.records) == 1 and caplog.records[0].getMessage().startswith(
+        "TEST.AMP.ENABLED True asks for bfloat16 autocast, which this CPU does not run natively")
+
+
+def _export_recording(path, sha256: str | None) -> None:
+    """A minimal ONNX file (one Identity node) holding what tools/export.py records of its weights, if anything."""
+    io = [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [1]) for name in ("x", "y")]
+    model = onnx.helper.make_model(onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])], "g",
+                                                          io[:1], io[1:]))
+    if sha256 is not None:
+        model.metadata_props.add(key=WEIGHTS_SHA256_KEY, value=sha256)
+    onnx.save(model, str(path))
+
+
+def test_only_exports_of_the_weights_evaluated_are_offered_and_the_others_say_why(tmp_path):
+    """An export of model_iter2.pth is not the final weights' even when written after them; one without the record
+    (older than it) is not offered either. The choice's reason names both."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model_iter2.pth").write_bytes(b"iteration 2")
+    (ckpt / "model_final.pth").write_bytes(b"iteration 4")
+    _export_recording(ckpt / "model.onnx", file_sha256(str(ckpt / "model_iter2.pth")))
+    _export_recording(ckpt / "model.int8.onnx", None)
+    cfg = load_cfg(CFG, ["CKPT", str(ckpt), "DEVICE", "cpu", "TEST.AMP.ENABLED", "False"])
+    passed_over: list[str] = []
+    assert exported_models(cfg, passed_over) == {}
+    choice = choose_backend(cfg, {}, passed_over)
+    assert (choice.backend, choice.precision) == ("pytorch", "float32")
+    assert f"{ckpt / 'model.onnx'} passed over: it was exported from other weights than {ckpt / 'model_final.pth'}" \
+           in choice.reason
+    assert f"{ckpt / 'model.int8.onnx'} passed over: it does not record the weights it was exported" in choice.reason
+    iter2 = ["TEST.WEIGHTS", str(ckpt / "model_iter2.pth")]
+    assert exported_models(load_cfg(CFG, ["CKPT", str(ckpt), *iter2])) == {"float32": str(ckpt / "model.onnx")}
+    assert exported_models(load_cfg(CFG, ["CKPT", str(tmp_path / "nothing")])) == {}
+
