@@ -30,7 +30,7 @@ from pet.data import build_test_loader
 from pet.modeling import build_model
 from pet.modeling.preprocess import image_sizes
 
-from .common import format_fingerprint
+from .common import format_fingerprint, reference_package
 
 if TYPE_CHECKING:
     from detectron2.modeling.roi_heads.cascade_rcnn import CascadeROIHeads
@@ -93,13 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cascade_vs_detectron2(args: argparse.Namespace, fingerprint: dict) -> dict[str, Any]:
     """Both heads on the same features and proposals; ``agree`` says whether they gave the same detections."""
-    try:  # detectron2 is the reference, not a dependency of Pet
+    with reference_package("detectron2", "cascade-detectron2",
+                           "run it with a Python that has it (docs/benchmarks/cascade.md says how)."):
         from detectron2.structures import Boxes, ImageList, Instances
-    except ModuleNotFoundError as error:
-        if (error.name or "").split(".")[0] != "detectron2":
-            raise
-        raise SystemExit("cascade-detectron2 needs detectron2, which Pet does not install: run it with a Python "
-                         "that has it (docs/benchmarks/cascade.md says how).") from None
     print(format_fingerprint(fingerprint))
     cfg = load_cfg(args.cfg, [*args.opts, "TEST.IMS_PER_BATCH", "1", "DATA.NUM_WORKERS", "0"])
     model = build_model(cfg).eval()

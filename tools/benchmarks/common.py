@@ -1,9 +1,10 @@
 """What every benchmark shares: interleaved runs and the machine fingerprint printed with each table."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -12,7 +13,7 @@ import torchvision
 
 from pet.utils.cpu import cpu_class, cpu_has_native, cpu_int8_support, cpu_model_name, cpu_native_support
 
-__all__ = ["interleaved", "fingerprint", "format_fingerprint", "test_support"]
+__all__ = ["interleaved", "fingerprint", "format_fingerprint", "reference_package", "test_support"]
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -56,6 +57,18 @@ def format_fingerprint(fp: dict[str, Any]) -> str:
             f"{emulated}, native bf16 {'yes' if fp['native_bfloat16'] else 'no'}, VNNI {'yes' if fp['vnni'] else 'no'}"
             f", {fp['threads']} thread(s), "
             f"torch {fp['torch']}, torchvision {fp['torchvision']}")
+
+
+@contextlib.contextmanager
+def reference_package(package: str, user: str, how: str) -> Iterator[None]:
+    """Around the import of a reference implementation Pet does not install: when ``package`` is missing, one line
+    saying that ``user`` (a subcommand or flag) needs it and ``how`` to get it, instead of a traceback."""
+    try:
+        yield
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] != package:
+            raise
+        raise SystemExit(f"{user} needs {package}, which Pet does not install: {how}") from None
 
 
 def test_support(name: str) -> ModuleType:

@@ -37,7 +37,7 @@ from pet.predict import Detections, Predictor
 from pet.predict.predictor import Picture
 from pet.predict.tiling import MERGES, TileSpec, merge_tiles
 
-from .common import format_fingerprint
+from .common import format_fingerprint, reference_package
 from .predict import make_scene, match
 
 __all__ = ["add_arguments", "tiles_benchmark"]
@@ -216,13 +216,9 @@ def tiles_benchmark(args: argparse.Namespace, machine: dict[str, Any]) -> dict[s
     uncapped = Predictor(load_cfg(DEMO, ["TEST.IMS_PER_BATCH", str(args.batch), *args.opts, *UNCAPPED]))
     sahi_model, settings = None, SAHI_SETTINGS
     if args.sahi:
-        try:  # sahi is the reference, not a dependency of Pet
+        with reference_package("sahi", "--sahi", "pip install --target DIR sahi (or a venv), then run with "
+                                                 "PYTHONPATH=DIR."):
             from .sahi_pet import PetDetectionModel, sahi_grid
-        except ModuleNotFoundError as error:
-            if (error.name or "").split(".")[0] != "sahi":
-                raise
-            raise SystemExit("--sahi needs sahi, which Pet does not install: pip install --target DIR sahi (or a "
-                             "venv), then run with PYTHONPATH=DIR.") from None
         sahi_model = PetDetectionModel(whole, confidence_threshold=args.sahi_conf)
         if importlib.util.find_spec("lsnms") is None:  # SAHI's LSNMS needs lsnms (and numba)
             print("sahi: lsnms is not installed, so SAHI's LSNMS is left out")

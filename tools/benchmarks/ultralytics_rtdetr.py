@@ -28,7 +28,7 @@ from typing import Any
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
-from .common import format_fingerprint
+from .common import format_fingerprint, reference_package
 
 __all__ = ["add_arguments", "ultralytics_rtdetr"]
 
@@ -102,14 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def ultralytics_rtdetr(args: argparse.Namespace, fingerprint: dict) -> dict[str, Any]:
     """Train for ``--minutes``, then score the last weights; the JSON line it prints, as a dict."""
-    try:  # ultralytics is the yardstick, not a dependency of Pet
+    with reference_package("ultralytics", "ultralytics-rtdetr",
+                           "run it with a venv that has it (docs/benchmarks/rtdetr.md says how)."):
         from ultralytics import RTDETR
         from ultralytics.utils import SETTINGS, torch_utils
-    except ModuleNotFoundError as error:
-        if (error.name or "").split(".")[0] != "ultralytics":
-            raise
-        raise SystemExit("ultralytics-rtdetr needs ultralytics, which Pet does not install: run it with a venv "
-                         "that has it (docs/benchmarks/rtdetr.md says how).") from None
     print(format_fingerprint(fingerprint))
     if args.threads:
         torch_utils.NUM_THREADS = args.threads  # what its select_device() sets torch to on a CPU
