@@ -6,6 +6,10 @@
                                      [--threads N] [--iters 1] [--repeats 3] [--out FILE]
     python tools/benchmark.py infer  [the same options as train]
     python tools/benchmark.py data   [--workers 0 1] [--batches 40] [--repeats 5] [--out FILE]
+    python tools/benchmark.py augmentations [--cfg FILE] [--opts KEY VALUE ...] [--samples 300] [--warmup 20]
+                                            [--out FILE]
+    python tools/benchmark.py low-data [--models faster_rcnn rtdetr] [--seeds 1 2 3] [--train-images 150]
+                                       [--max-iter N] [--out FILE]
     python tools/benchmark.py onnx   [--arch demo faster_rcnn retinanet fcos mask_rcnn] [--size 800 1333] [--batch 1]
                                      [--int8 [--calib 8] [--reduce-range] [--weights DEMO_WEIGHTS]]
                                      [--threads N] [--iters 1] [--repeats 3] [--out FILE]
@@ -31,9 +35,11 @@
 engine: Pet's Trainer overhead per iteration over a plain loop and MMEngine's Runner
 (tools/benchmarks/engine.py). train / infer: Pet's detectors against torchvision's on the same
 weights, inputs, precision and memory format (tools/benchmarks/detectors.py). data: Pet's
-training loader against PIL + torchvision.transforms.v2 (tools/benchmarks/data.py). coco-eval: one
-COCO evaluation with pycocotools against faster-coco-eval on a synthetic COCO-sized set
-(tools/benchmarks/coco_eval.py).
+training loader against PIL + torchvision.transforms.v2 (tools/benchmarks/data.py).
+augmentations: milliseconds per training image of each transform alone and of whole recipes, Pet's opencv mapper
+against a v2 pipeline (tools/benchmarks/augmentations.py). low-data: the shapes demo models trained on 150 images with
+their default pipeline and with a strong one, 3 seeds each (tools/benchmarks/low_data.py). coco-eval: one COCO
+evaluation with pycocotools against faster-coco-eval on a synthetic COCO-sized set (tools/benchmarks/coco_eval.py).
 onnx: Pet's PyTorch models against their ONNX exports in onnxruntime, and with --int8 also PyTorch bfloat16 and the
 export quantized to int8 (tools/benchmarks/onnx.py).
 predict: tools/predict.py with the trained demo model: memory and images/s of a long stream against test_net,
@@ -98,6 +104,10 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=40, help="batches per timed run")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="benchmarks/data.json")
+    benchmarks.augmentations.add_arguments(sub.add_parser(
+        "augmentations", help="ms per training image of each transform and recipe, opencv against v2"))
+    benchmarks.low_data.add_arguments(sub.add_parser(
+        "low-data", help="AP of a strong augmentation pipeline against the default one on 150 training images"))
     benchmarks.coco_eval.add_arguments(sub.add_parser(
         "coco-eval", help="COCO evaluation: pycocotools against faster-coco-eval"))
     benchmarks.onnx.add_arguments(sub.add_parser(
@@ -125,6 +135,8 @@ def main() -> None:
         run = {
             "engine": benchmarks.engine.engine,
             "data": benchmarks.data.data,
+            "low-data": benchmarks.low_data.low_data,
+            "augmentations": benchmarks.augmentations.augmentations,
             "coco-eval": benchmarks.coco_eval.coco_eval,
             "onnx": benchmarks.onnx.onnx_vs_pytorch,
             "predict": benchmarks.predict.predict_benchmark,

@@ -289,10 +289,20 @@ def _coerce(value: Any, default: Any, full_key: str, source: str) -> Any:
 
 
 def _parse_literal(raw: str) -> Any:
+    """A Python literal; else a YAML flow list or mapping (``[{type: Resize, size: [640, 640]}]``, as in a config
+    file); else the string itself."""
     try:
         return ast.literal_eval(raw)
     except (ValueError, SyntaxError):
-        return raw
+        pass
+    if raw.lstrip().startswith(("[", "{")):
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            return raw
+        if isinstance(value, (list, dict)):
+            return value
+    return raw
 
 
 def _all_keys(cfg: CfgNode, prefix: str = "") -> Iterable[str]:

@@ -98,6 +98,15 @@ _C.INPUT.CROP.AROUND_OBJECT_PROB = 0.5
 # A box keeps its label only when at least this fraction of its area lies inside the crop; the
 # rest of the cut boxes (and their masks) are dropped.
 _C.INPUT.CROP.MIN_VISIBLE = 0.5
+# Training transforms as an ordered list of {type: NAME, <arguments>} (docs/augmentations.md): torchvision.transforms.v2
+# classes (RandomPhotometricDistort, RandomZoomOut, Resize, ScaleJitter, ...), Pet's (RandomHorizontalFlip with the
+# keypoint flip map, RandomIoUCrop, SanitizeBoundingBoxes, Mosaic, MixUp, CopyPaste) or a dotted path to one's own.
+# `until_iter: N` / `until_epoch: E` in an entry switch it off from there on. Empty: the keys above (MIN_SIZE_TRAIN,
+# FLIP_PROB, BRIGHTNESS..., CROP) make the pipeline, as they always did; set, those keys are not used in training.
+_C.INPUT.AUGMENTATIONS = []
+# (height, width): stretch every test image to it (RT-DETR, YOLO) with torchvision's antialiased bilinear resize.
+# Empty: MIN_SIZE_TEST / MAX_SIZE_TEST keep the aspect ratio.
+_C.INPUT.FIXED_SIZE_TEST = ()
 
 # ---------------------------------------------------------------------------------------
 # Model
@@ -128,7 +137,8 @@ _C.MODEL.CHANNELS_LAST = True
 # Compiled in place, so checkpoints and weights are unchanged; the first iterations pay the compilation.
 _C.MODEL.COMPILE = []
 # (H, W) of the image on which the model summary logged at the start of train and test counts
-# FLOPs. Empty: INPUT.MIN_SIZE_TEST by 4/3 of it (capped at MAX_SIZE_TEST), a typical COCO shape.
+# FLOPs. Empty: INPUT.FIXED_SIZE_TEST when set, else INPUT.MIN_SIZE_TEST by 4/3 of it (capped at MAX_SIZE_TEST),
+# a typical COCO shape.
 _C.MODEL.FLOPS_INPUT_SIZE = ()
 
 _C.MODEL.BACKBONE = CN()
@@ -532,6 +542,21 @@ _C.TEST.HOOKS = []
 _C.TEST.NUM_WARMUP = 5
 # Log the [Testing] progress line every LOG_PERIOD iterations.
 _C.TEST.LOG_PERIOD = 10
+# Test-time augmentation (pet/modeling/test_time_augmentation.py), in tools/test_net.py, tools/predict.py and
+# Predictor, PyTorch backend only: the model runs once per scale and flip and the detections are merged. The test
+# transform then resizes to the largest scale (each pass resizes down from it), instead of MIN_SIZE_TEST.
+_C.TEST.AUG = CN()
+_C.TEST.AUG.ENABLED = False
+# Shorter sides, the longer capped at MAX_SIZE (detectron2's keys and defaults). With INPUT.FIXED_SIZE_TEST set,
+# each is a square instead (S x S). Every scale costs a forward pass (two with FLIP).
+_C.TEST.AUG.MIN_SIZES = (400, 500, 600, 700, 800, 900, 1000, 1100, 1200)
+_C.TEST.AUG.MAX_SIZE = 4000
+# Also run each scale mirrored left to right (keypoints are renumbered by the test set's flip map).
+_C.TEST.AUG.FLIP = True
+# How the passes' detections become one set: "nms" (class-wise NMS) or "wbf" (weighted box fusion: boxes of a class
+# overlapping by IOU_THRESH or more are averaged, weighted by score; Solovyev et al. 2021).
+_C.TEST.AUG.MERGE = "nms"
+_C.TEST.AUG.IOU_THRESH = 0.5
 
 
 # Keys that take "auto", True or False (YAML and the command line may switch between them).

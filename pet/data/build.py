@@ -29,12 +29,13 @@ from pet.data.catalog import get_dataset, register_custom_datasets
 from pet.data.categories import LabelSpace
 from pet.data.coco_json import COCODataset, require_masks
 from pet.data.dataset import DetectionDataset, LoadFailure, check_same_categories
-from pet.data.mapper import DatasetMapper, crop_size
+from pet.data.mapper import AugmentedMapper, DatasetMapper, build_mapper, crop_size
 from pet.data.samplers import (
     BatchSampler,
     EpochSampler,
     GroupedBatchSampler,
     InferenceSampler,
+    ProgressClock,
     RepeatFactorEpochSampler,
     RepeatFactorTrainingSampler,
     TrainingSampler,
@@ -146,14 +147,15 @@ def _zeros_for_batch(shape: tuple[int, ...]) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape).zero_()
 
 
-def build_train_loader(cfg: CfgNode, mapper: DatasetMapper | None = None) -> PetDataLoader:
+def build_train_loader(cfg: CfgNode, mapper: DatasetMapper | AugmentedMapper | None = None) -> PetDataLoader:
     """The training loader over the concatenation of ``TRAIN.DATASETS``.
 
     Iteration mode (SOLVER.MAX_EPOCHS == 0) uses an infinite sampler; epoch mode a
     finite one whose order changes with ``loader.batch_sampler.set_epoch(epoch)``; either
     repeats images of rare classes with ``DATA.SAMPLER RepeatFactorTrainingSampler``. Each
     process loads SOLVER.IMS_PER_BATCH / world_size images per batch. ``mapper`` defaults
-    to ``DatasetMapper.from_config(cfg, is_train=True)``. When the run validates
+    to :func:`~pet.data.mapper.build_mapper` (``INPUT.AUGMENTATIONS`` when set; a scheduled transform makes the
+    batch sampler stamp each key with its iteration and epoch). When the run validates
     (``HOOKS.EVAL.PERIOD`` > 0), the test sets must have the training sets' class list.
     """
     register_custom_datasets(cfg)
@@ -171,8 +173,7 @@ def build_train_loader(cfg: CfgNode, mapper: DatasetMapper | None = None) -> Pet
     for source in sources:
         log_instances_table(source)
     keypoints = sources[0].keypoint_meta
-    mapper = mapper or DatasetMapper.from_config(cfg, is_train=True,
-                                                 keypoint_flip_map=keypoints.flip_map if keypoints else None)
+    mapper = mapper or build_mapper(cfg, is_train=True, keypoint_flip_map=keypoints.flip_map if keypoints else None)
     if mapper.mask_on:
         require_masks(sources)
     dataset = DetectionDataset(
@@ -189,7 +190,29 @@ def build_train_loader(cfg: CfgNode, mapper: DatasetMapper | None = None) -> Pet
         batch_sampler: torch.utils.data.Sampler = GroupedBatchSampler(sampler, _group_ids(cfg, dataset), batch_size)
     else:
         batch_sampler = BatchSampler(sampler, batch_size, drop_last=True)
+    if isinstance(mapper, AugmentedMapper):
+        _check_mixing(mapper, dataset)
+        if mapper.pipeline.scheduled:
+            batch_sampler.stamp_progress(_progress_clock(cfg, batch_sampler, len(dataset)))
     return _make_loader(cfg, dataset, seed, batch_sampler=batch_sampler)
+
+
+def _check_mixing(mapper: AugmentedMapper, dataset: DetectionDataset) -> None:
+    """Transforms that mix images need that many in the set."""
+    needed = mapper.pipeline.mixes_images
+    if len(dataset) < needed:
+        names = [type(t).__name__ for t in mapper.pipeline.transforms if getattr(t, "min_images", 1) > len(dataset)]
+        raise ConfigError(f"INPUT.AUGMENTATIONS: {', '.join(names)} mixes {needed} different images, but dataset "
+                          f"'{dataset.name}' has {len(dataset)} usable ones. Add images or remove the transform.")
+
+
+def _progress_clock(cfg: CfgNode, batch_sampler: Any, num_images: int) -> ProgressClock:
+    """The clock of the progress stamp: an epoch is the loader's pass in epoch mode; in iteration mode, the
+    dataset's images over SOLVER.IMS_PER_BATCH x SOLVER.ACCUM_STEPS (at least one iteration)."""
+    accum = cfg.SOLVER.ACCUM_STEPS
+    if cfg.SOLVER.MAX_EPOCHS > 0:
+        return ProgressClock(len(batch_sampler) // accum, accum)
+    return ProgressClock(max(1, num_images // (cfg.SOLVER.IMS_PER_BATCH * accum)), accum)
 
 
 # DATA.SAMPLER -> (iteration-mode sampler, epoch-mode sampler).
@@ -218,6 +241,8 @@ def _group_ids(cfg: CfgNode, dataset: DetectionDataset) -> np.ndarray:
     else landscape (1) or portrait (0); both after the INPUT.CROP, when enabled."""
     scales = tuple(cfg.INPUT.MIN_SIZE_TRAIN)
     sizes = dataset.image_sizes
+    if cfg.INPUT.AUGMENTATIONS:  # the pipeline decides the sizes: group by the source's orientation only
+        return (sizes[:, 1] >= sizes[:, 0]).astype(np.int64)
     if cfg.INPUT.CROP.ENABLED:
         sizes = np.minimum(sizes, np.array(crop_size(cfg)))
     if cfg.DATA.SIZE_GROUPING and len(scales) == 1:
@@ -240,7 +265,7 @@ def build_test_loader(cfg: CfgNode, dataset_name: str, mapper: DatasetMapper | N
     register_custom_datasets(cfg)
     source = get_dataset(dataset_name, strict=cfg.DATA.STRICT)
     label_space = build_label_space(cfg, source)
-    mapper = mapper or DatasetMapper.from_config(cfg, is_train=False)
+    mapper = mapper or build_mapper(cfg, is_train=False)
     if mapper.mask_on:
         require_masks([source])
     dataset = DetectionDataset([source], mapper, is_train=False, on_bad_image=cfg.DATA.ON_BAD_IMAGE,

@@ -16,6 +16,7 @@ import cv2
 import numpy as np
 import torch
 
+from pet.data.augmentations import Progress
 from pet.data.categories import LabeledDataset, LabelSpace
 from pet.data.coco_json import COCODataset
 from pet.data.formats.common import TRANSPOSED_ORIENTATIONS, exif_orientation
@@ -132,23 +133,33 @@ class DetectionDataset(LabeledDataset, torch.utils.data.Dataset):
         """The annotation record of image ``index`` (a fresh copy)."""
         return pickle.loads(self._buffer[self._offsets[index]:self._offsets[index + 1]].tobytes())
 
-    def __getitem__(self, key: int | tuple[int, int]) -> dict[str, Any]:
-        index, seed = key if isinstance(key, tuple) else (key, key)
+    def load(self, index: int) -> tuple[dict[str, Any], np.ndarray]:
+        """Image ``index``'s record and decoded pixels; a :class:`DataError` when they cannot be read or disagree."""
+        record = self.record(index)
+        image = read_image(record["file_name"], record["image_id"])
+        _check_size(image, record)
+        return record, image
+
+    def __getitem__(self, key: int | tuple[int, ...]) -> dict[str, Any]:
+        """Sample ``key``: an index, ``(index, seed)``, or ``(index, seed, iteration, epoch)`` from a training
+        batch sampler that stamps progress (a mapper with ``needs_dataset`` gets it, with the dataset)."""
+        index, seed, *progress = key if isinstance(key, tuple) else (key, key)
         rng = np.random.default_rng(seed)
         for _attempt in range(10):
-            record = self.record(index)
             try:
-                image = read_image(record["file_name"], record["image_id"])
-                _check_size(image, record)
+                record, image = self.load(index)
             except DataError as exc:
                 if self.on_bad_image == "error":
                     raise
                 self.num_skipped += 1
+                last = self.record(index)["file_name"]
                 logger.warning(f"{exc} Skipped (DATA.ON_BAD_IMAGE skip); {self.num_skipped} skipped by this process.")
                 index = int(rng.integers(len(self))) if self.is_train else (index + 1) % len(self)
                 continue
+            if getattr(self.mapper, "needs_dataset", False):
+                return self.mapper(record, image, rng, progress=Progress(*progress), dataset=self)
             return self.mapper(record, image, rng)
-        raise DataError(f"10 unreadable images in a row in dataset '{self.name}' (last: {record['file_name']}); "
+        raise DataError(f"10 unreadable images in a row in dataset '{self.name}' (last: {last}); "
                         "the image files look broken. Check the image root.")
 
     def __getitems__(self, keys: Sequence[int | tuple[int, int]]) -> list[Any]:

@@ -8,25 +8,39 @@ import numpy as np
 import pycocotools.mask as mask_util
 import torch
 from fvcore.common.config import CfgNode
+from torchvision import tv_tensors
 
+from pet.data.augmentations import AugmentationPipeline, ExtraSamples, Progress, build_pipeline
 from pet.data.transforms import (
     Augmentation,
+    NoOpTransform,
     RandomColorJitter,
     RandomCrop,
     RandomFlip,
     ResizeShortestEdge,
+    ResizeToSize,
     Transform,
     apply_augmentations,
 )
 from pet.utils.errors import ConfigError
 
-__all__ = ["DatasetMapper", "build_augmentations", "crop_size", "segmentations_to_masks"]
+__all__ = ["DatasetMapper", "AugmentedMapper", "build_mapper", "build_augmentations", "crop_size",
+           "segmentations_to_masks"]
 
 
 def build_augmentations(cfg: CfgNode, is_train: bool) -> list[Augmentation]:
     """Resize (multi-scale when INPUT.MIN_SIZE_TRAIN lists several sizes) and, in training, a crop before it
     (INPUT.CROP), horizontal flip and colour jitter (when INPUT.BRIGHTNESS / CONTRAST / SATURATION are not all 0)."""
     if not is_train:
+        if cfg.TEST.AUG.ENABLED:  # test-time augmentation resizes each pass down from its largest scale
+            largest = max(cfg.TEST.AUG.MIN_SIZES, default=0)
+            if largest <= 0:
+                raise ConfigError(f"TEST.AUG.MIN_SIZES must list sizes in pixels, got {cfg.TEST.AUG.MIN_SIZES!r}.")
+            if cfg.INPUT.FIXED_SIZE_TEST:
+                return [ResizeToSize(largest, largest)]
+            return [ResizeShortestEdge(largest, cfg.TEST.AUG.MAX_SIZE)]
+        if cfg.INPUT.FIXED_SIZE_TEST:
+            return [ResizeToSize(*fixed_size_test(cfg))]
         return [ResizeShortestEdge(cfg.INPUT.MIN_SIZE_TEST, cfg.INPUT.MAX_SIZE_TEST)]
     augs: list[Augmentation] = []
     if cfg.INPUT.CROP.ENABLED:
@@ -41,6 +55,23 @@ def build_augmentations(cfg: CfgNode, is_train: bool) -> list[Augmentation]:
     if any(jitter):  # after the resize: the jitter then touches fewer pixels when images shrink
         augs.append(RandomColorJitter(*jitter))
     return augs
+
+
+def fixed_size_test(cfg: CfgNode) -> tuple[int, int]:
+    """INPUT.FIXED_SIZE_TEST as (height, width), checked."""
+    size = tuple(cfg.INPUT.FIXED_SIZE_TEST)
+    if len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size):
+        raise ConfigError(f"INPUT.FIXED_SIZE_TEST must be (height, width) in pixels or empty, got {size!r}.")
+    return size  # type: ignore[return-value]
+
+
+def build_mapper(cfg: CfgNode, is_train: bool, *, mask_on: bool | None = None,
+                 keypoint_flip_map: Sequence[int] | None = None) -> DatasetMapper | AugmentedMapper:
+    """The mapper a loader uses: :class:`AugmentedMapper` in training with ``INPUT.AUGMENTATIONS``, else
+    :class:`DatasetMapper` (the keys INPUT.MIN_SIZE_*, FLIP_PROB, BRIGHTNESS..., CROP)."""
+    if is_train and cfg.INPUT.AUGMENTATIONS:
+        return AugmentedMapper.from_config(cfg, mask_on=mask_on, keypoint_flip_map=keypoint_flip_map)
+    return DatasetMapper.from_config(cfg, is_train, mask_on=mask_on, keypoint_flip_map=keypoint_flip_map)
 
 
 def crop_size(cfg: CfgNode) -> tuple[int, int]:
@@ -165,3 +196,83 @@ def segmentations_to_masks(
             rles = mask_util.frPyObjects(transform.apply_polygons(segm), h, w)
             masks[i] = mask_util.decode(mask_util.merge(rles))
     return masks
+
+
+class AugmentedMapper:
+    """The training sample of :class:`DatasetMapper`'s contract, made by an ``INPUT.AUGMENTATIONS`` pipeline.
+
+    The record becomes a sample of torchvision tv_tensors (:mod:`pet.data.augmentations`): masks decoded at the
+    image's size, keypoints split into points and visibility. After the pipeline, boxes are clipped to the image
+    and those left without area dropped with their labels, masks and keypoints; keypoints outside the image become
+    unlabelled, as :class:`DatasetMapper` does. Transforms that mix images draw them from the dataset, which
+    :class:`~pet.data.dataset.DetectionDataset` hands over with the sample's training progress
+    (``needs_dataset``).
+    """
+
+    needs_dataset = True
+
+    def __init__(self, pipeline: AugmentationPipeline, *, mask_on: bool = False) -> None:
+        self.pipeline = pipeline
+        self.mask_on = mask_on
+
+    @classmethod
+    def from_config(cls, cfg: CfgNode, *, mask_on: bool | None = None,
+                    keypoint_flip_map: Sequence[int] | None = None) -> AugmentedMapper:
+        pipeline = build_pipeline(cfg.INPUT.AUGMENTATIONS, keypoint_flip_map=keypoint_flip_map)
+        return cls(pipeline, mask_on=bool(cfg.MODEL.MASK_ON) if mask_on is None else mask_on)
+
+    def to_sample(self, record: dict[str, Any], image: np.ndarray) -> dict[str, Any]:
+        """The record and its decoded HWC image as a pipeline sample (the image is a view, not a copy)."""
+        size = (int(image.shape[0]), int(image.shape[1]))
+        boxes = torch.as_tensor(np.asarray(record["boxes"], dtype=np.float32).reshape(-1, 4))
+        sample: dict[str, Any] = {
+            "image": tv_tensors.Image(torch.from_numpy(image).permute(2, 0, 1)),
+            "boxes": tv_tensors.BoundingBoxes(boxes, format="XYXY", canvas_size=size),
+            "labels": torch.as_tensor(np.asarray(record["labels"], dtype=np.int64)),
+        }
+        if self.mask_on:
+            masks = segmentations_to_masks(record["segmentations"], NoOpTransform(), size, size)
+            sample["masks"] = tv_tensors.Mask(torch.from_numpy(masks))
+        if "keypoints" in record:
+            points = torch.as_tensor(np.asarray(record["keypoints"], dtype=np.float32)).reshape(len(boxes), -1, 3)
+            sample["keypoints"] = tv_tensors.KeyPoints(points[..., :2].contiguous(), canvas_size=size)
+            sample["keypoint_visibility"] = points[..., 2].contiguous()
+        return sample
+
+    def __call__(self, record: dict[str, Any], image: np.ndarray, rng: np.random.Generator, *,
+                 progress: Progress | None = None, dataset: Any = None) -> dict[str, Any]:
+        orig_size = (int(image.shape[0]), int(image.shape[1]))
+        extra = None
+        if dataset is not None:
+            extra = ExtraSamples(len(dataset), lambda index: self.to_sample(*dataset.load(index)))
+        seed = int(rng.integers(2**63 - 1))
+        sample = self.pipeline(self.to_sample(record, image), seed, progress or Progress(), extra)
+        return self._packed(sample, int(record["image_id"]), orig_size)
+
+    def _packed(self, sample: dict[str, Any], image_id: int, orig_size: tuple[int, int]) -> dict[str, Any]:
+        image = sample["image"].as_subclass(torch.Tensor)
+        if image.dtype != torch.uint8:
+            raise TypeError(f"The augmentation pipeline must leave a uint8 image, got {image.dtype}.")
+        h, w = (int(v) for v in image.shape[-2:])
+        boxes = sample["boxes"].as_subclass(torch.Tensor).to(torch.float32).clone().reshape(-1, 4)
+        boxes[:, 0::2] = boxes[:, 0::2].clamp(0, w)
+        boxes[:, 1::2] = boxes[:, 1::2].clamp(0, h)
+        keep = (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
+        packed = {
+            # HWC in memory, as DatasetMapper's opencv views: the collator then copies rows, not a transpose.
+            "image": image.permute(1, 2, 0).contiguous().permute(2, 0, 1),
+            "image_id": image_id,
+            "image_size": (h, w),
+            "orig_size": orig_size,
+            "boxes": boxes[keep],
+            "labels": sample["labels"].as_subclass(torch.Tensor)[keep].to(torch.int64),
+        }
+        if self.mask_on:
+            packed["masks"] = sample["masks"].as_subclass(torch.Tensor)[keep].to(torch.uint8).contiguous()
+        if "keypoints" in sample:
+            xy = sample["keypoints"].as_subclass(torch.Tensor).to(torch.float32)
+            visibility = sample["keypoint_visibility"].to(torch.float32).clone()
+            outside = (xy[..., 0] < 0) | (xy[..., 1] < 0) | (xy[..., 0] > w) | (xy[..., 1] > h)
+            visibility[outside] = 0
+            packed["keypoints"] = torch.cat([xy, visibility[..., None]], dim=-1)[keep].contiguous()
+        return packed

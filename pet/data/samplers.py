@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict, deque
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,6 +29,7 @@ from torch.utils.data import Sampler
 from pet.utils import comm
 
 __all__ = [
+    "ProgressClock",
     "TrainingSampler", "EpochSampler", "RepeatFactorTrainingSampler", "RepeatFactorEpochSampler", "InferenceSampler",
     "GroupedBatchSampler", "BatchSampler",
 ]
@@ -186,6 +188,23 @@ class InferenceSampler(Sampler):
         return iter(range(self.start, self.end))
 
 
+@dataclass(frozen=True)
+class ProgressClock:
+    """Turns a batch's place in the stream (the pass, set by ``set_epoch``, and its position in it) into the
+    training (iteration, epoch) it is drawn for.
+
+    ``iters_per_epoch``: iterations per epoch (in iteration mode, the nominal one: the dataset's images over the
+    images per iteration); ``accum_steps``: batches per iteration (SOLVER.ACCUM_STEPS).
+    """
+
+    iters_per_epoch: int
+    accum_steps: int = 1
+
+    def __call__(self, pass_number: int, position: int) -> tuple[int, int]:
+        iteration = pass_number * self.iters_per_epoch + position // self.accum_steps
+        return iteration, iteration // max(self.iters_per_epoch, 1)
+
+
 class _ResumableBatches:
     """``set_start_iter(n)``: the next pass starts at its n-th batch, as an uninterrupted run would.
 
@@ -200,16 +219,36 @@ class _ResumableBatches:
     """
 
     _start_iter = 0
+    _epoch = 0
+    progress: ProgressClock | None = None
 
     def set_start_iter(self, start_iter: int) -> None:
         self._start_iter = start_iter
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forwarded to the sampler (the train loop calls it on the batch sampler); kept for the progress stamp."""
+        self._epoch = epoch
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def stamp_progress(self, clock: ProgressClock) -> None:
+        """Yield ``(index, seed, iteration, epoch)`` items: the training progress each batch is drawn for, which
+        scheduled augmentations switch on. A resumed pass counts from its start batch, so the stamps are those of
+        an uninterrupted run."""
+        self.progress = clock
 
     def __iter__(self) -> Iterator[list]:
         skip = self._start_iter
 
         def resumed() -> Iterator[list]:
             self._start_iter = 0  # runs at the first batch drawn, not at iter()
-            yield from self._batches(skip)
+            if self.progress is None:
+                yield from self._batches(skip)
+                return
+            epoch = self._epoch
+            for position, batch in enumerate(self._batches(skip), start=skip):
+                stamp = self.progress(epoch, position)
+                yield [(*item, *stamp) for item in batch]
 
         return resumed()
 
@@ -224,10 +263,6 @@ class BatchSampler(_ResumableBatches, torch.utils.data.BatchSampler):
     Batches are consecutive runs of ``batch_size`` items, so skipping ``n`` batches is skipping
     ``n * batch_size`` items.
     """
-
-    def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(epoch)
 
     def _batches(self, skip: int) -> Iterator[list]:
         if hasattr(self.sampler, "shard_passes"):
@@ -256,10 +291,6 @@ class GroupedBatchSampler(_ResumableBatches, Sampler):
         # Each group as 0..G-1: the buckets' keys, and what the skip counts with.
         self._groups, self._codes = np.unique(self.group_ids, return_inverse=True)
         self._codes = self._codes.reshape(-1)
-
-    def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(epoch)
 
     def __len__(self) -> int:
         return len(self.sampler) // self.batch_size  # type: ignore[arg-type]

@@ -16,10 +16,13 @@ from collections.abc import Sequence
 
 import cv2
 import numpy as np
+import torch
+from torchvision.transforms.v2 import functional as F
 
 __all__ = [
     "Transform", "NoOpTransform", "ResizeTransform", "HFlipTransform", "CropTransform", "ColorTransform",
-    "TransformList", "Augmentation", "ResizeShortestEdge", "RandomFlip", "RandomCrop", "RandomColorJitter",
+    "TransformList", "Augmentation", "ResizeShortestEdge", "ResizeToSize", "RandomFlip", "RandomCrop",
+    "RandomColorJitter", "AntialiasedResizeTransform",
     "apply_augmentations",
 ]
 
@@ -94,6 +97,22 @@ class ResizeTransform(Transform):
         if (self.new_h, self.new_w) == (self.h, self.w):
             return mask
         return cv2.resize(mask, (self.new_w, self.new_h), interpolation=cv2.INTER_NEAREST)
+
+
+class AntialiasedResizeTransform(ResizeTransform):
+    """Resize with torchvision's antialiased bilinear resize (``v2.functional.resize``), not opencv's.
+
+    It is what torchvision's ``v2.Resize`` does to a tensor image, so it gives the pixels of the pipelines that
+    use it at test time (the RT-DETR authors', transformers' image processors): Pet's test input is then theirs.
+    """
+
+    def apply_image(self, image: np.ndarray) -> np.ndarray:
+        assert image.shape[:2] == (self.h, self.w), f"expected a {self.h}x{self.w} image, got {image.shape[:2]}"
+        if (self.new_h, self.new_w) == (self.h, self.w):
+            return image
+        pixels = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)
+        resized = F.resize(pixels, [self.new_h, self.new_w], antialias=True)
+        return resized.permute(1, 2, 0).numpy()
 
 
 class HFlipTransform(Transform):
@@ -243,6 +262,17 @@ class ResizeShortestEdge(Augmentation):
             return NoOpTransform()
         new_h, new_w = resized_shape(height, width, short, self.max_size)
         return ResizeTransform(height, width, new_h, new_w)
+
+
+class ResizeToSize(Augmentation):
+    """Stretch every image to ``height`` x ``width`` (RT-DETR's and YOLO's test input), with
+    :class:`AntialiasedResizeTransform`."""
+
+    def __init__(self, height: int, width: int) -> None:
+        self.height, self.width = height, width
+
+    def get_transform(self, height: int, width: int, rng: np.random.Generator) -> Transform:
+        return AntialiasedResizeTransform(height, width, self.height, self.width)
 
 
 class RandomFlip(Augmentation):

@@ -2,8 +2,10 @@
 :class:`pet.predict.Predictor` all call :func:`load_inference_model`.
 
 ``backend`` "pytorch": the config's model with its weights (``path``, else :func:`pet.config.default_weights`)
-on ``DEVICE``; "onnxruntime": an ONNX export of tools/export.py (``path``, else ``CKPT/model.onnx``) in
-onnxruntime, with the threads PyTorch would use. ``--backend auto`` is decided before, by
+on ``DEVICE``, wrapped in :class:`pet.modeling.test_time_augmentation.DetectorWithTTA` with ``TEST.AUG.ENABLED``
+(so test_net and predict both run test-time augmentation, and the engine need not know); "onnxruntime": an ONNX
+export of tools/export.py (``path``, else ``CKPT/model.onnx``) in onnxruntime, with the threads PyTorch would use
+(no test-time augmentation). ``--backend auto`` is decided before, by
 :func:`pet.deploy.backend.resolve_backend`, which names one of the two.
 """
 from __future__ import annotations
@@ -20,7 +22,8 @@ from pet.checkpoint import load_checkpoint
 from pet.config import default_weights
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel
 from pet.engine.build import build_test_model
-from pet.predict.labels import ONNX_METADATA_KEY, label_space_from_checkpoint
+from pet.modeling.test_time_augmentation import DetectorWithTTA
+from pet.predict.labels import ONNX_METADATA_KEY, label_space_from_checkpoint, model_keypoint_meta
 from pet.utils.errors import ConfigError
 
 __all__ = ["BACKENDS", "InferenceModel", "load_inference_model"]
@@ -45,6 +48,9 @@ def load_inference_model(cfg: CfgNode, backend: str = "pytorch", path: str = "",
                          unsafe: bool = False) -> InferenceModel:
     """The detector of ``cfg`` for ``backend`` from ``path`` (defaults in the module docstring); ``unsafe`` loads
     a PyTorch checkpoint with ``weights_only=False``."""
+    if cfg.TEST.AUG.ENABLED and backend in BACKENDS and backend != "pytorch":
+        raise ConfigError(f"TEST.AUG.ENABLED (test-time augmentation) runs with the PyTorch backend only, not "
+                          f"{backend}: use --backend pytorch, or set TEST.AUG.ENABLED False.")
     if backend == "onnxruntime":
         path = path or os.path.join(cfg.CKPT, "model.onnx")
         if not os.path.isfile(path):
@@ -53,8 +59,24 @@ def load_inference_model(cfg: CfgNode, backend: str = "pytorch", path: str = "",
         recorded = model.session.get_modelmeta().custom_metadata_map.get(ONNX_METADATA_KEY)
         return InferenceModel(model, backend, path, json.loads(recorded) if recorded else None)
     if backend == "pytorch":
+        flip_map = _keypoint_flip_map(cfg) if cfg.TEST.AUG.ENABLED else None  # before the model: fails early
         path = path or default_weights(cfg)
         checkpoint = load_checkpoint(path, unsafe=unsafe)  # read once: weights and label space
         model = build_test_model(cfg, weights=path, checkpoint=checkpoint)
+        if cfg.TEST.AUG.ENABLED:
+            model = DetectorWithTTA.from_config(cfg, model, keypoint_flip_map=flip_map)
         return InferenceModel(model, backend, path, label_space_from_checkpoint(checkpoint))
     raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}.")
+
+
+def _keypoint_flip_map(cfg: CfgNode) -> list[int] | None:
+    """The flip map a keypoint model's mirrored TTA passes renumber points by: TEST.DATASETS[0]'s (checkpoints do not
+    record it, as :func:`pet.predict.labels.model_keypoint_meta` explains); None without keypoints or mirroring."""
+    meta = model_keypoint_meta(cfg) if cfg.TEST.AUG.FLIP else None
+    if meta is None:
+        return None
+    if meta.names == tuple(f"kp_{i}" for i in range(meta.num_keypoints)):  # the stand-in names: no set to read
+        raise ConfigError("TEST.AUG.FLIP mirrors the keypoint model's input, and renumbering its left and right points "
+                          "needs the keypoint flip map of TEST.DATASETS[0], which is not there to read: make that "
+                          "dataset available, or set TEST.AUG.FLIP False.")
+    return list(meta.flip_map)

@@ -15,10 +15,12 @@ logger = logging.getLogger(__name__)
 
 
 def flops_input_size(cfg: CfgNode) -> tuple[int, int] | None:
-    """``MODEL.FLOPS_INPUT_SIZE``, else a 4:3 image at the test size; None when neither is set."""
-    if cfg.MODEL.FLOPS_INPUT_SIZE:
-        height, width = cfg.MODEL.FLOPS_INPUT_SIZE
-        return int(height), int(width)
+    """``MODEL.FLOPS_INPUT_SIZE``, else ``INPUT.FIXED_SIZE_TEST``, else a 4:3 image at the test size; None when none
+    is set."""
+    for size in (cfg.MODEL.FLOPS_INPUT_SIZE, cfg.INPUT.FIXED_SIZE_TEST):
+        if size:
+            height, width = size
+            return int(height), int(width)
     if cfg.INPUT.MIN_SIZE_TEST <= 0:
         return None
     height = cfg.INPUT.MIN_SIZE_TEST

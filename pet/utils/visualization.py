@@ -10,9 +10,16 @@ from typing import Any
 import cv2
 import numpy as np
 
-__all__ = ["plot_training_curves", "draw_detections", "plot_pr_curves", "plot_confusion_matrix", "plot_error_breakdown"]
+__all__ = ["plot_training_curves", "draw_detections", "keypoint_colors", "letterbox", "tile_pictures", "plot_pr_curves",
+           "plot_confusion_matrix", "plot_error_breakdown", "CAPTION_HEIGHT", "TILE_GAP"]
 
 _LINESTYLES = ("-", "--", ":", "-.")
+# tile_pictures' layout: a caption strip of this height above each tile, this many pixels between tiles.
+CAPTION_HEIGHT = 18
+TILE_GAP = 2
+# What a tile shows outside its letterboxed picture: mid grey, unlike the black a zoom-out or crop pads with, so
+# a tile tells the pipeline's own padding from the grid's.
+_LETTERBOX_FILL = (96, 96, 96)
 
 
 @functools.cache
@@ -81,6 +88,7 @@ def draw_detections(
     masks: np.ndarray | None = None,
     keypoints: np.ndarray | None = None,
     skeleton: Sequence[Sequence[int]] = (),
+    point_colors: Sequence[tuple[int, int, int]] | None = None,
 ) -> np.ndarray:
     """An RGB copy of ``image_rgb`` with ground truth (thin white) and detections (class, score) drawn.
 
@@ -89,7 +97,8 @@ def draw_detections(
     box) are blended in under the boxes in the same colour, so overlapping instances stay visible.
     ``keypoints`` ([N, K, 3], one row per box) are drawn as dots in the box's colour, joined by the
     ``skeleton``'s lines (1-based pairs of points, COCO's convention); a point whose third value is 0
-    (unlabelled ground truth) is not drawn.
+    (unlabelled ground truth) is not drawn. Dots take the box's colour unless ``point_colors`` gives one per
+    point index (:func:`keypoint_colors`): then a left point mislabelled as a right one shows.
     """
     canvas = np.ascontiguousarray(image_rgb.copy())
     colors = [_class_color(label) for label in labels]
@@ -113,9 +122,9 @@ def draw_detections(
         for a, b in skeleton:
             if drawn[a - 1] and drawn[b - 1]:
                 cv2.line(canvas, xy[a - 1], xy[b - 1], color, 1, cv2.LINE_AA)
-        for (x, y), shown in zip(xy, drawn):
+        for k, ((x, y), shown) in enumerate(zip(xy, drawn)):
             if shown:
-                cv2.circle(canvas, (x, y), 3, color, -1, cv2.LINE_AA)
+                cv2.circle(canvas, (x, y), 3, color if point_colors is None else point_colors[k], -1, cv2.LINE_AA)
                 cv2.circle(canvas, (x, y), 3, (0, 0, 0), 1, cv2.LINE_AA)
     return canvas
 
@@ -123,6 +132,69 @@ def draw_detections(
 def _class_color(label: str) -> tuple[int, int, int]:
     """A tab10 colour fixed by the class name, so a class looks the same in every picture."""
     return tuple(int(255 * c) for c in _pyplot().get_cmap("tab10")(zlib.crc32(label.encode()) % 10)[:3])
+
+
+def keypoint_colors(num_keypoints: int) -> list[tuple[int, int, int]]:
+    """One fully saturated RGB colour per point index, hues evenly spread: point k looks the same in every picture
+    and on every object, so a flip that forgot to renumber left and right shows as swapped colours. None of them is
+    a tab10 class colour (those are muted), so a dot stands out from its box."""
+    hues = np.arange(num_keypoints) * 180 // max(num_keypoints, 1)  # opencv's hue runs over 0-179
+    hsv = np.stack([hues, np.full_like(hues, 255), np.full_like(hues, 255)], axis=-1).astype(np.uint8)[None]
+    return [tuple(int(c) for c in rgb) for rgb in cv2.cvtColor(hsv, cv2.COLOR_HSV2RGB)[0]]
+
+
+def letterbox(picture: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """``picture`` (HWC) scaled to fit ``size`` (height, width) with its aspect ratio kept, centred on grey.
+
+    Kept pixel for pixel when it already has that size, so what a grid shows of a sample is what was drawn.
+    """
+    height, width = size
+    h, w = picture.shape[:2]
+    scale = min(height / h, width / w)
+    new_h, new_w = max(1, round(h * scale)), max(1, round(w * scale))
+    if (new_h, new_w) != (h, w):  # area averaging when shrinking keeps thin box outlines visible
+        picture = cv2.resize(picture, (new_w, new_h), interpolation=cv2.INTER_AREA if scale < 1 else cv2.INTER_LINEAR)
+    tile = np.empty((height, width, picture.shape[2]), np.uint8)
+    tile[:] = _LETTERBOX_FILL
+    top, left = (height - new_h) // 2, (width - new_w) // 2
+    tile[top:top + new_h, left:left + new_w] = picture
+    return tile
+
+
+def tile_pictures(pictures: Sequence[np.ndarray], captions: Sequence[str], size: tuple[int, int],
+                  cols: int) -> np.ndarray:
+    """One RGB picture of ``pictures`` in rows of ``cols``, each letterboxed to ``size`` (height, width) under a
+    strip with its caption, so samples of any size compare at a glance.
+
+    The result is ``rows * (height + CAPTION_HEIGHT) + (rows - 1) * TILE_GAP`` high and ``cols * width +
+    (cols - 1) * TILE_GAP`` wide; cells past the last picture stay empty. A caption too long for its tile is cut
+    with ``...`` (opencv's fonts have no ellipsis character).
+    """
+    if not pictures:
+        raise ValueError("tile_pictures needs at least one picture")
+    height, width = size
+    rows = -(-len(pictures) // cols)
+    cell_h, cell_w = height + CAPTION_HEIGHT, width
+    grid = np.zeros((rows * cell_h + (rows - 1) * TILE_GAP, cols * cell_w + (cols - 1) * TILE_GAP, 3), np.uint8)
+    for i, (picture, caption) in enumerate(zip(pictures, captions)):
+        top, left = (i // cols) * (cell_h + TILE_GAP), (i % cols) * (cell_w + TILE_GAP)
+        grid[top + CAPTION_HEIGHT:top + cell_h, left:left + cell_w] = letterbox(picture, size)
+        text = _fitted(caption, width - 4)
+        cv2.putText(grid, text, (left + 2, top + CAPTION_HEIGHT - 5), cv2.FONT_HERSHEY_SIMPLEX, 0.4,
+                    (255, 255, 255), 1, cv2.LINE_AA)
+    return grid
+
+
+def _fitted(text: str, width: int) -> str:
+    """``text`` shortened with ``...`` until it is at most ``width`` pixels wide in the caption font."""
+    def fits(t: str) -> bool:
+        return cv2.getTextSize(t, cv2.FONT_HERSHEY_SIMPLEX, 0.4, 1)[0][0] <= width
+
+    if fits(text):
+        return text
+    while text and not fits(text + "..."):
+        text = text[:-1]
+    return text + "..."
 
 
 def plot_pr_curves(classes: Sequence[dict], recall: Sequence[float], out_png: str, title: str = "") -> str:

@@ -6,6 +6,7 @@ each other relatively, so either works; optional references (detectron2, ultraly
 are imported only inside the subcommand that needs them.
 """
 from . import (
+    augmentations,
     cascade_vs_detectron2,
     coco_eval,
     common,
@@ -13,6 +14,7 @@ from . import (
     detectors,
     engine,
     gpu,
+    low_data,
     onnx,
     predict,
     resume_skip,
@@ -23,5 +25,6 @@ from . import (
     ultralytics_rtdetr,
 )
 
-__all__ = ["cascade_vs_detectron2", "coco_eval", "common", "data", "detectors", "engine", "gpu", "onnx", "predict",
-           "resume_skip", "roofline", "rtdetr", "strict_iou_ap", "tiles", "ultralytics_rtdetr"]
+__all__ = ["augmentations", "cascade_vs_detectron2", "coco_eval", "common", "data", "detectors", "engine", "gpu",
+           "low_data", "onnx", "predict", "resume_skip", "roofline", "rtdetr", "strict_iou_ap", "tiles",
+           "ultralytics_rtdetr"]

@@ -1,0 +1,156 @@
+"""A Hugging Face RT-DETR checkpoint evaluated through cfgs/coco/rtdetr_R-18.yaml gives transformers' detections.
+
+This is a user's path end to end: transformers' ``RTDetrForObjectDetection`` with the hub's R18 architecture (80 COCO
+classes, the config of ``PekingU/rtdetr_r18vd``; seeded random weights, nothing is downloaded) saved as a
+``state_dict`` file, and Pet's :class:`~pet.predict.Predictor` built from the shipped config with that file as its
+weights. On pictures of different sizes and aspect ratios, Pet's detections in the original pixels must be those of
+transformers' own pipeline, ``RTDetrImageProcessor()`` (which stretches every picture to 640 x 640), the model and
+``post_process_object_detection``: the same boxes within 0.5 px and the same COCO category ids. So the config's
+test-time resize (``INPUT.FIXED_SIZE_TEST``) is the processor's, the key mapping takes the checkpoint as it is,
+and labels reach COCO's ids through the label space.
+
+The weights: transformers' initialisation, then every normalisation layer's statistics set to those of the
+activations it sees on a picture, then every tensor perturbed (as ``randomised()`` in test_rtdetr_parity.py, the
+statistics by a factor). With uniformly drawn statistics instead (``randomised()``), every query comes out nearly
+the same (measured: each picture's five best scores within 0.0003 of each other, all of one class): a score
+threshold would then be a near-tie for most detections, which the pairing below may leave unpaired.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from pet.data import coco_categories
+from pet.predict import Predictor
+from pet.predict.sources import Preparer
+from support.against_reference import Tolerance, match_detections
+from support.helpers import CFGS
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.numeric
+
+CFG = os.path.join(CFGS, "coco", "rtdetr_R-18.yaml")
+# (height, width): landscape 4:3, portrait 2:3 and a wide 16:9 picture; all are stretched up to 640 x 640.
+SIZES = [(240, 320), (300, 200), (280, 500)]
+# Keeps 20-30 detections of five or six categories per picture with these weights (the top 300 scores span about
+# 0.16-0.43).
+SCORE_THRESH = 0.25
+TOLERANCE = Tolerance(box=0.5, score=1e-4)
+# The 80 COCO 2017 categories among ids 1-90 (the hub models' labels 0-79 in this order): all but these ten.
+UNUSED_COCO_IDS = {12, 26, 29, 30, 45, 66, 68, 69, 71, 83}
+COCO_IDS = [i for i in range(1, 91) if i not in UNUSED_COCO_IDS]
+
+
+def r18_config() -> transformers.RTDetrConfig:
+    """PekingU/rtdetr_r18vd's architecture: RTDetrConfig() with a basic-block ResNet-18-vd, its channels into the
+    encoder, CSP layers at half width and three decoder layers (as test_rtdetr_parity.reference_config("R18"))."""
+    backbone = transformers.RTDetrResNetConfig(depths=[2, 2, 2, 2], layer_type="basic",
+                                               hidden_sizes=[64, 128, 256, 512], out_indices=[2, 3, 4])
+    return transformers.RTDetrConfig(num_labels=80, use_pretrained_backbone=False, backbone_config=backbone,
+                                     encoder_in_channels=[128, 256, 512], hidden_expansion=0.5, decoder_layers=3)
+
+
+def picture(seed: int, height: int, width: int) -> np.ndarray:
+    """RGB uint8: gradients, a checkerboard, noise and six flat rectangles (edges and texture for the model)."""
+    rng = np.random.default_rng(seed)
+    ys, xs = np.mgrid[0:height, 0:width]
+    image = np.stack([xs * 255 / width, ys * 255 / height, ((xs // 20 + ys // 20) % 2) * 200], axis=-1)
+    image = image + rng.integers(0, 40, (height, width, 3))
+    for _ in range(6):
+        x0, y0 = rng.integers(0, width - 40), rng.integers(0, height - 40)
+        image[y0:y0 + rng.integers(20, height // 2), x0:x0 + rng.integers(20, width // 2)] = rng.integers(0, 256, 3)
+    return np.clip(image, 0, 255).astype(np.uint8)
+
+
+def hub_like_model(seed: int = 0) -> torch.nn.Module:
+    """The R18 model with weights whose detections depend on the picture (module docstring)."""
+    torch.manual_seed(seed)
+    model = transformers.RTDetrForObjectDetection(r18_config()).eval()
+    norms = [m for m in model.modules() if hasattr(m, "running_var")]  # BatchNorm2d and transformers' FrozenBN
+
+    def calibrate(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+        module.running_mean.copy_(inputs[0].mean((0, 2, 3)))
+        module.running_var.copy_(inputs[0].var((0, 2, 3)))
+
+    hooks = [m.register_forward_pre_hook(calibrate) for m in norms]
+    calibration = torch.from_numpy(picture(seed + 100, 320, 320)).permute(2, 0, 1)[None].float() / 255
+    with torch.no_grad():
+        model(pixel_values=calibration)
+    for hook in hooks:
+        hook.remove()
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if not tensor.is_floating_point():
+                continue
+            noise = torch.randn(tensor.shape, generator=generator)
+            if name.endswith("running_var"):
+                tensor.mul_(1 + 0.1 * noise)
+            else:
+                tensor.add_(0.02 * noise)  # also gives the box heads' zero-initialised last layers weights
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> tuple[str, list[np.ndarray], list[dict[str, torch.Tensor]], torch.Tensor]:
+    """The checkpoint file, the pictures (RGB), transformers' detections on them (in COCO category ids) and the
+    processor's pixels."""
+    model = hub_like_model()
+    path = str(tmp_path_factory.mktemp("hub") / "rtdetr_r18vd.pth")
+    torch.save(model.state_dict(), path)
+    pictures = [picture(seed, h, w) for seed, (h, w) in enumerate(SIZES)]
+    processor = transformers.RTDetrImageProcessor()
+    inputs = processor(images=[torch.from_numpy(p).permute(2, 0, 1) for p in pictures], return_tensors="pt")
+    with torch.no_grad():
+        outputs = model(**inputs)
+    found = processor.post_process_object_detection(outputs, threshold=SCORE_THRESH, target_sizes=SIZES)
+    theirs = []
+    for (height, width), detections in zip(SIZES, found):
+        boxes = detections["boxes"].clone()  # Pet clips its boxes to the picture, transformers does not
+        boxes[:, 0::2] = boxes[:, 0::2].clamp(0, width)
+        boxes[:, 1::2] = boxes[:, 1::2].clamp(0, height)
+        labels = torch.tensor([COCO_IDS[int(label)] for label in detections["labels"]], dtype=torch.int64)
+        theirs.append({"boxes": boxes, "scores": detections["scores"], "labels": labels})
+    return path, pictures, theirs, inputs["pixel_values"]
+
+
+@pytest.fixture(scope="module")
+def predictor(checkpoint) -> Predictor:
+    """Pet's predictor as a user builds it, on the CPU in float32 (transformers' precision)."""
+    path = checkpoint[0]
+    return Predictor(CFG, weights=path, score_thresh=SCORE_THRESH,
+                     opts=["DEVICE", "cpu", "TEST.AMP.ENABLED", "False"])
+
+
+def test_coco_ids_of_the_hub_labels():
+    assert COCO_IDS == sorted(coco_categories())
+
+
+def test_input_pixels_are_the_image_processors(checkpoint, predictor):
+    """The config's test-time resize gives the processor's pixels (Pet's model then divides by 255, as its
+    rescale does)."""
+    _, pictures, _, pixel_values = checkpoint
+    prepare = Preparer(predictor.augmentations)
+    for image, expected in zip(pictures, pixel_values):
+        ours = prepare.sample(image)
+        assert ours["image_size"] == (640, 640)
+        torch.testing.assert_close(ours["image"].float() / 255, expected, rtol=0, atol=1e-6)
+
+
+def test_detections_are_transformers_on_the_original_pictures(checkpoint, predictor):
+    """Paired one to one by COCO id, score (1e-4) and box (0.5 px); only a score within 1e-4 of the threshold may
+    stay unpaired. Every picture keeps several detections of more than one category."""
+    _, pictures, theirs, _ = checkpoint
+    # The Predictor takes pictures as opencv reads them: BGR.
+    ours = predictor.predict_many([np.ascontiguousarray(image[..., ::-1]) for image in pictures])
+    for image, mine, reference in zip(pictures, ours, theirs):
+        assert (mine.height, mine.width) == image.shape[:2]
+        assert 5 <= len(reference["scores"]) <= 100
+        mine_tensors = {"boxes": torch.as_tensor(mine.boxes), "scores": torch.as_tensor(mine.scores),
+                        "labels": torch.as_tensor(mine.labels)}
+        pairs = match_detections(mine_tensors, reference, TOLERANCE, score_thresh=SCORE_THRESH, capped=False)
+        assert len(pairs) >= len(reference["scores"]) - 2
+        assert len(set(reference["labels"].tolist())) >= 2
