@@ -2,6 +2,8 @@
 scheduled transforms switch off at the same batch in a resumed run; bad entries get one clear line."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +13,8 @@ from pet.data import build_train_loader
 from pet.data.augmentations import build_pipeline
 from pet.data.mapper import AugmentedMapper, DatasetMapper, build_mapper
 from pet.utils.errors import ConfigError
-from support.helpers import data_cfg, register_split
+from support.helpers import DEMO_CFG, data_cfg, register_split, run_tool_here, tiny_set_opts
+from support.tiny_models import TINY_TWO_STAGE
 
 HEIGHT, WIDTH = 60, 80
 FLIP_MAP = [0, 2, 1]  # centre, left, right
@@ -213,3 +216,27 @@ def test_the_list_on_the_command_line_in_yaml_or_python_form():
                                            {"type": "RandomHorizontalFlip", "p": 1.0}]
         assert [type(t).__name__ for t in build_pipeline(cfg.INPUT.AUGMENTATIONS).transforms] == [
             "Resize", "RandomHorizontalFlip"]
+
+
+@pytest.mark.slow
+def test_training_resumed_before_the_switch_ends_with_the_uninterrupted_weights(tiny_set, tmp_path, monkeypatch,
+                                                                               capsys):
+    """train_net for 4 iterations with mosaic and zoom-out switched off from iteration 3, and the same run resumed
+    from its iteration-2 checkpoint: the same final weights (the resumed loader stamps iterations 2 and 3 as the
+    straight one did, and draws the same extra images)."""
+    ckpt = str(tmp_path / "run")
+    pipeline = ("[{type: Mosaic, size: 128, until_iter: 3}, {type: RandomZoomOut, p: 1.0, until_iter: 3}, "
+                "{type: RandomHorizontalFlip}]")
+    opts = [*tiny_set_opts(tiny_set, ckpt, max_iter=4, checkpoint_period=2), *TINY_TWO_STAGE,
+            "INPUT.AUGMENTATIONS", pipeline, "SOLVER.AMP.ENABLED", "False", "TRAIN.AUTO_RESUME", "True",
+            "HOOKS.EVAL.PERIOD", "0"]
+    assert run_tool_here(monkeypatch, capsys, "train_net.py", "--cfg", DEMO_CFG, *opts)[0] == 0
+    straight = torch.load(os.path.join(ckpt, "model_final.pth"), weights_only=True)["model"]
+    os.remove(os.path.join(ckpt, "model_final.pth"))
+    with open(os.path.join(ckpt, "last_checkpoint"), "w") as f:
+        f.write("model_iter2.pth")
+    assert run_tool_here(monkeypatch, capsys, "train_net.py", "--cfg", DEMO_CFG, *opts)[0] == 0
+    with open(os.path.join(ckpt, "log.txt")) as f:
+        assert "Starting training from iteration 2 to 4" in f.read()
+    resumed = torch.load(os.path.join(ckpt, "model_final.pth"), weights_only=True)["model"]
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
