@@ -9,7 +9,7 @@ with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "pet", "__ini
     _VERSION = re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
 
 # Optional features stay out of the base install; "test" pulls them all in so the suite
-# exercises them for real (offline W&B, a local MLflow store, onnxruntime on CPU).
+# exercises them for real (offline W&B, a local MLflow store, onnxruntime and OpenVINO on CPU).
 _OPTIONAL = {
     "wandb": ["wandb>=0.31,<1"],
     "mlflow": ["mlflow-skinny>=3.17,<4", "sqlalchemy>=1.4,<3", "alembic>=1.8,!=1.10.0,<2"],
@@ -17,6 +17,11 @@ _OPTIONAL = {
     # onnxruntime 1.32: int8 quantization (tools/export.py --int8) caches its calibration (calibration_cache_path),
     # so each choice of what runs int8 is quantized without running the float model again.
     "export": ["onnx>=1.16", "onnxscript>=0.2", "onnxruntime>=1.32"],
+    # OpenVINO, a second CPU runtime for the same ONNX export (--backend openvino, tools/export.py --openvino): an
+    # extra of its own, as only a deployment on it needs it. Pet reads the export's metadata (score threshold, label
+    # space) from where OpenVINO's ONNX frontend keeps it, the model's rt_info, which 2026.4 was checked to carry
+    # through save_model into the IR.
+    "openvino": ["openvino>=2026.4"],
 }
 _EXTRAS = {
     **_OPTIONAL,

@@ -1,5 +1,5 @@
 """Export a detector to ONNX and check it: python tools/export.py --cfg FILE [--weights W] [--output FILE]
-[--check-only] [--int8 [--calib N] [--int8-tolerance AP] [--gate-images N]] [KEY VALUE ...]
+[--check-only] [--int8 [--calib N] [--int8-tolerance AP] [--gate-images N]] [--openvino] [KEY VALUE ...]
 
 Writes an ONNX graph with a dynamic batch, height and width (RT-DETR: multiples of 32) and the whole
 post-processing inside (pet/deploy/onnx.py says what it takes and returns), then runs the parity gate: the PyTorch
@@ -15,6 +15,11 @@ HOOKS.CHECKPOINT.OUT_DIR when set). Default output: CKPT/model.onnx.
 training images, and writes it only if its bbox AP (and segm AP) on the first --gate-images test images is within
 --int8-tolerance AP points of the float model's; otherwise one line says how far it fell, exit status 2
 (pet/deploy/int8.py says how).
+
+``--openvino`` then converts the (checked) export to an OpenVINO IR beside it (CKPT/model.xml + model.bin, float32)
+and runs the same parity gate on OpenVINO's detections; the IR is staged under temporary names and renamed into place
+only once it passes (the .bin first, the .xml last), so a failing IR is one line, exit status 2, and nothing under
+the final names. Needs the ``openvino`` extra.
 """
 import argparse
 import json
@@ -28,9 +33,10 @@ from pet.checkpoint import load_checkpoint, load_weights
 from pet.cli import launch_cli
 from pet.config import default_weights, load_cfg
 from pet.deploy.backend import WEIGHTS_SHA256_KEY, int8_path
-from pet.deploy.onnx import export_onnx, import_onnx
+from pet.deploy.onnx import Batch, export_onnx, import_onnx
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel, import_onnxruntime
-from pet.deploy.parity import ParityError, check_parity, parity_batches
+from pet.deploy.openvino_model import OpenVinoModel, import_openvino, openvino_path, save_openvino
+from pet.deploy.parity import ParityError, ParityReport, check_parity, parity_batches
 from pet.modeling import build_model
 from pet.predict.labels import ONNX_METADATA_KEY, label_space_from_checkpoint, model_label_space
 from pet.utils.errors import ConfigError
@@ -40,14 +46,40 @@ from pet.utils.logger import setup_logger
 logger = logging.getLogger("pet.tools.export")
 
 
-def check_output(output: str, check_only: bool) -> None:
-    """``--output`` checked before the minutes of building and exporting: a file path (an existing one to check)."""
+def check_output(output: str, check_only: bool, openvino: bool = False) -> None:
+    """``--output`` checked before the minutes of building and exporting: a file path (an existing one to check),
+    and with ``openvino`` not the name its IR would take (the IR would overwrite the ONNX file)."""
+    if openvino and openvino_path(output) == output:
+        raise ConfigError(f"--output {output} is where --openvino writes the IR of the ONNX export; name the ONNX file "
+                          f"to write, e.g. {os.path.splitext(output)[0]}.onnx (the IR goes beside it).")
     if os.path.isdir(output):
         raise ConfigError(f"--output {output} is a directory; name the ONNX file to write, e.g. "
                           f"{os.path.join(output, 'model.onnx')}.")
     if check_only and not os.path.isfile(output):
         raise ConfigError(f"--check-only checks an existing export, and {output} does not exist: give its path with "
                           "--output, or leave out --check-only to export.")
+
+
+def write_openvino(model: torch.nn.Module, output: str, batches: list[Batch]) -> tuple[str, ParityReport]:
+    """The OpenVINO IR of the checked export ``output``, written beside it (:func:`openvino_path`) only once it has
+    passed the parity gate against ``model`` on ``batches``; returns its path and the gate's report.
+
+    Both files are staged under temporary names (``model.tmpPID.xml``, and OpenVINO's ``model.tmpPID.bin`` beside
+    it) and renamed over the final ones when the gate passes, the .xml last: a failure removes them and leaves a
+    previous IR as it was."""
+    xml = openvino_path(output)
+    weights = f"{os.path.splitext(xml)[0]}.bin"
+    with atomic_path(xml, keep_extension=True) as staged, atomic_path(weights, keep_extension=True):
+        save_openvino(output, staged)
+        staged_model = OpenVinoModel(staged, threads=torch.get_num_threads())
+        staged_model.path = xml  # the gate's messages name the file the user asked for
+        try:
+            report = check_parity(model, staged_model, batches)
+        except ParityError as exc:
+            kept = " (the previous IR there is unchanged)" if os.path.exists(xml) else ""
+            raise ParityError(f"{exc} It was not written to {xml}{kept}.") from exc
+        del staged_model  # OpenVINO maps the staged .bin: let go of it before the rename
+    return xml, report
 
 
 def main() -> None:
@@ -68,6 +100,9 @@ def main() -> None:
                         help="how many AP points (0-100) below float32 the int8 model may be on the gate (default 1)")
     parser.add_argument("--gate-images", type=int, default=500, metavar="N",
                         help="the int8 gate's images: the first N of TEST.DATASETS[0] (0: all; default 500)")
+    parser.add_argument("--openvino", action="store_true",
+                        help="also write an OpenVINO IR beside the output (model.xml + model.bin, float32) if it "
+                             "passes the same parity gate")
     parser.add_argument("--unsafe-load", action="store_true",
                         help="load the weights with weights_only=False (only for files you trust)")
     parser.add_argument("opts", nargs=argparse.REMAINDER, metavar="KEY VALUE", help="config overrides")
@@ -75,9 +110,11 @@ def main() -> None:
     setup_logger()  # terminal only: an export leaves the run's log.txt alone
     cfg = load_cfg(args.cfg_file, args.opts)
     output = args.output or os.path.join(cfg.CKPT, "model.onnx")
-    check_output(output, args.check_only)
+    check_output(output, args.check_only, args.openvino)
     import_onnx()  # the export is written with onnx: without it, say so before the export's minutes
     import_onnxruntime()  # the gate runs the export in onnxruntime: without it, say so before the export's minutes
+    if args.openvino:
+        import_openvino()  # and the IR in OpenVINO
 
     # The int8 step's images are checked before the export, which takes minutes.
     sets = None
@@ -118,6 +155,11 @@ def main() -> None:
     logger.info(f"Parity gate passed: {report.summary()}")
     logger.info(f"{output} gives the PyTorch model's detections; evaluate it with tools/test_net.py --cfg "
                 f"{args.cfg_file} --backend onnxruntime --model {output}")
+    if args.openvino:
+        xml, openvino_report = write_openvino(model, output, batches)
+        logger.info(f"OpenVINO parity gate passed: {openvino_report.summary()}")
+        logger.info(f"Wrote {xml}; evaluate it with tools/test_net.py --cfg {args.cfg_file} --backend openvino "
+                    f"--model {xml}")
     if sets is not None:
         int8_report = quantize_with_gate(cfg, output, int8_path(output), sets, args.int8_tolerance,
                                          threads=torch.get_num_threads())

@@ -1,6 +1,6 @@
 """Predict with a trained detector: python tools/predict.py --cfg FILE --input SRC [--output DIR]
 [--save csv,coco,json,yolo,vis,crops] [--batch N] [--tile SIZE --tile-overlap F --tile-merge seam] [--max-det N]
-[--score-thresh T] [--vis-thresh T] [--vid-stride N] [--ann COCO_JSON] [--backend {pytorch,onnxruntime,auto}]
+[--score-thresh T] [--vis-thresh T] [--vid-stride N] [--ann COCO_JSON] [--backend {pytorch,onnxruntime,openvino,auto}]
 [--model FILE]
 [KEY VALUE ...]
 
@@ -22,9 +22,10 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pet.cli import default_argument_parser, default_setup, launch_cli
 from pet.deploy.backend import resolve_backend
-from pet.deploy.onnxruntime_model import OnnxRuntimeModel
+from pet.deploy.exported_model import ExportedModel
 from pet.predict import PREDICT_DEFAULTS, PredictionWriter, Predictor, PredictStats, Source
 from pet.predict.labels import model_keypoint_meta
+from pet.predict.loading import BACKENDS
 from pet.predict.predictor import model_score_thresh
 from pet.predict.sources import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 from pet.predict.tiling import MERGES
@@ -62,22 +63,23 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vid-stride", type=int, default=1, metavar="N", help="predict every N-th video frame")
     parser.add_argument("--ann", default="", metavar="COCO_JSON",
                         help="take predictions.json's image ids from this COCO file, by file name")
-    parser.add_argument("--backend", choices=("pytorch", "onnxruntime", "auto"), default="pytorch",
-                        help="run the PyTorch model, an ONNX export of it in onnxruntime (needs --model), or the "
-                             "fastest of them on this CPU (auto)")
-    parser.add_argument("--model", default="", metavar="FILE", help="the ONNX file for --backend onnxruntime")
+    parser.add_argument("--backend", choices=(*BACKENDS, "auto"), default="pytorch",
+                        help="run the PyTorch model, an ONNX export of it in onnxruntime or OpenVINO (needs "
+                             "--model), or the fastest of PyTorch and onnxruntime on this CPU (auto)")
+    parser.add_argument("--model", default="", metavar="FILE",
+                        help="the exported file for --backend onnxruntime (ONNX) or openvino (its .xml IR, or ONNX)")
     return parser.parse_args()
 
 
 def config_opts(args: argparse.Namespace, backend: str) -> list[str]:
     """The command line's config overrides, after predict's own defaults (skip unreadable pictures)."""
     opts = [*PREDICT_DEFAULTS, *args.opts]
-    if backend == "onnxruntime":
-        opts += ["TEST.AMP.ENABLED", "False"]  # onnxruntime computes in float32; the log then says so too
+    if backend != "pytorch":
+        opts += ["TEST.AMP.ENABLED", "False"]  # an export computes in float32; the log then says so too
     return opts
 
 
-def check_export_threshold(cfg, cfg_file: str, model: OnnxRuntimeModel, threshold: float | None) -> None:
+def check_export_threshold(cfg, cfg_file: str, model: ExportedModel, threshold: float | None) -> None:
     """Warn when ``threshold`` is below the score threshold the export ``model`` computes with: the graph drops
     lower-scoring detections itself, and only exporting again lowers it."""
     key, configured = model_score_thresh(cfg) or (None, None)
@@ -149,7 +151,7 @@ def main() -> None:
                           max_det=args.max_det, tile=args.tile, tile_overlap=args.tile_overlap,
                           tile_whole_image=args.tile_whole_image, tile_merge=args.tile_merge,
                           unsafe_load=args.unsafe_load)
-    if backend == "onnxruntime":
+    if backend != "pytorch":
         check_export_threshold(cfg, args.cfg_file, predictor.model, args.score_thresh)
     writer = PredictionWriter(output, formats, predictor.label_space, source, vis_thresh=args.vis_thresh,
                               ann=args.ann or None, vid_stride=args.vid_stride, keypoints=model_keypoint_meta(cfg))

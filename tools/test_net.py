@@ -4,7 +4,8 @@ Weights: TEST.WEIGHTS, or model_final.pth in CKPT (HOOKS.CHECKPOINT.OUT_DIR when
 CKPT/test/ (bbox.json, metrics.json with the COCO metrics and the speed summary, vis/ with --vis N).
 ``--eval-only-results FILE`` scores a saved results file instead, without the model.
 ``--backend onnxruntime --model FILE`` evaluates an ONNX export (tools/export.py) in onnxruntime
-instead, through the same loop, evaluator and timers, in float32 (or int8, for an int8 export).
+instead, through the same loop, evaluator and timers, in float32 (or int8, for an int8 export); ``--backend openvino
+--model FILE`` its OpenVINO IR (tools/export.py --openvino) or the ONNX file in OpenVINO, in float32.
 ``--backend auto`` runs the fastest of PyTorch and this config's exports (CKPT/model.onnx, CKPT/model.int8.onnx)
 on this CPU and logs which and why (pet/deploy/backend.py); the default, pytorch, reproduces the float results.
 """
@@ -18,7 +19,7 @@ from pet.engine.inference import evaluate_on_datasets, inference_precision
 from pet.engine.metrics import flatten_metrics
 from pet.evaluation import VisualizationHook, evaluate_results_file
 from pet.evaluation.coco import write_json_atomic
-from pet.predict.loading import load_inference_model
+from pet.predict.loading import BACKENDS, load_inference_model
 from pet.utils import comm
 from pet.utils.errors import ConfigError
 
@@ -55,15 +56,16 @@ def main() -> None:
                         help="score a saved COCO results file (e.g. CKPT/test/bbox.json) without running the model")
     parser.add_argument("--vis", type=int, default=0, metavar="N",
                         help="draw detections over ground truth on the first N test images into CKPT/test/vis/")
-    parser.add_argument("--backend", choices=("pytorch", "onnxruntime", "auto"), default="pytorch",
-                        help="run the PyTorch model, an ONNX export of it in onnxruntime (needs --model), or the "
-                             "fastest of them on this CPU (auto)")
-    parser.add_argument("--model", default="", metavar="FILE", help="the ONNX file for --backend onnxruntime")
+    parser.add_argument("--backend", choices=(*BACKENDS, "auto"), default="pytorch",
+                        help="run the PyTorch model, an ONNX export of it in onnxruntime or OpenVINO (needs "
+                             "--model), or the fastest of PyTorch and onnxruntime on this CPU (auto)")
+    parser.add_argument("--model", default="", metavar="FILE",
+                        help="the exported file for --backend onnxruntime (ONNX) or openvino (its .xml IR, or ONNX)")
     args = parser.parse_args()
     choice = resolve_backend(args.cfg_file, args.opts, args.backend, args.model)
     backend, model_file = (choice.backend, choice.model) if choice else (args.backend, args.model)
-    # onnxruntime computes in float32 (int8 for an int8 export) whatever TEST.AMP says; the log then says so too.
-    opts = [*args.opts, "TEST.AMP.ENABLED", "False"] if backend == "onnxruntime" else args.opts
+    # An export computes in float32 (int8 for an int8 export) whatever TEST.AMP says; the log then says so too.
+    opts = [*args.opts, "TEST.AMP.ENABLED", "False"] if backend != "pytorch" else args.opts
     cfg = default_setup(args.cfg_file, opts, args.local_rank)
     if choice:
         logger.info(f"--backend auto: {choice}")
@@ -80,7 +82,7 @@ def main() -> None:
     # Every rank timed its own shard: keep each rank's summary and their combination.
     per_rank = comm.all_gather_object(test_hook.speed_summary())
     if comm.is_main_process():
-        # onnxruntime computes in float32 (an int8 export: int8) whatever TEST.AMP says.
+        # An export computes in float32 (an int8 export: int8) whatever TEST.AMP says.
         computed = precision.name if backend == "pytorch" else (choice.precision if choice else "export's own")
         report = {"metrics": metrics, "speed": test_hook.speed_summary(), "backend": backend, "precision": computed,
                   "precision_reason": precision.reason if backend == "pytorch" else choice.reason if choice else ""}

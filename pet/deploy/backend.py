@@ -32,26 +32,49 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from fvcore.common.config import CfgNode
 
 from pet.config import default_weights, load_cfg
+from pet.deploy.exported_model import ExportedModel
+from pet.deploy.onnxruntime_model import OnnxRuntimeModel
+from pet.deploy.openvino_model import OpenVinoModel
 from pet.engine.inference import inference_precision
 from pet.engine.models import resolve_device
 from pet.utils.cpu import cpu_int8_support, cpu_native_support
 from pet.utils.errors import ConfigError
 from pet.utils.files import file_sha256
 
-__all__ = ["BackendChoice", "FLOAT_SHA256_KEY", "WEIGHTS_SHA256_KEY", "choose_backend", "exported_models", "int8_path",
-           "resolve_backend"]
+__all__ = ["BackendChoice", "EXPORT_RUNTIMES", "ExportRuntime", "FLOAT_SHA256_KEY", "WEIGHTS_SHA256_KEY",
+           "choose_backend", "exported_models", "int8_path", "resolve_backend"]
 
 # The metadata key under which tools/export.py records the sha256 of the weights file it exported.
 WEIGHTS_SHA256_KEY = "pet.weights_sha256"
 # The metadata key under which tools/export.py --int8 records the sha256 of the float export it quantized.
 FLOAT_SHA256_KEY = "pet.int8.float_sha256"
+
+
+@dataclass(frozen=True)
+class ExportRuntime:
+    """A runtime for tools/export.py's files, as ``--backend`` names it: ``model(path, threads=N)`` loads one
+    (an :class:`ExportedModel`), ``default_file`` is the one it loads from ``CKPT`` when no file is named, ``files``
+    says which files ``--model`` names for it."""
+
+    model: Callable[..., ExportedModel]
+    default_file: str
+    files: str
+
+
+# The backends that run an export rather than the PyTorch model (pet.predict.loading.BACKENDS adds "pytorch"); the
+# tools' --backend choices, --model checks and loading all read this table.
+EXPORT_RUNTIMES = {
+    "onnxruntime": ExportRuntime(OnnxRuntimeModel, "model.onnx", "an ONNX file written by tools/export.py"),
+    "openvino": ExportRuntime(OpenVinoModel, "model.xml", "an OpenVINO IR (.xml, beside its .bin) written by "
+                                                          "tools/export.py --openvino, or an ONNX file"),
+}
 
 
 @dataclass(frozen=True)
@@ -182,12 +205,13 @@ def choose_backend(cfg: CfgNode, available: Mapping[str, str], passed_over: Sequ
 def resolve_backend(cfg_file: str, opts: list[str], backend: str, model: str) -> BackendChoice | None:
     """A tool's ``--backend`` and ``--model`` checked (one line naming the mistake otherwise); for ``auto``, the
     choice for the config ``cfg_file`` with ``opts``, else None (the tool runs what was asked)."""
-    if model and backend != "onnxruntime":
-        raise ConfigError(f"--model names the ONNX file of --backend onnxruntime; --backend {backend} takes "
-                          "the PyTorch weights from TEST.WEIGHTS" + (" and finds the exports in CKPT itself."
-                                                                     if backend == "auto" else "."))
-    if backend == "onnxruntime" and not model:
-        raise ConfigError("--backend onnxruntime needs --model FILE, an ONNX file written by tools/export.py.")
+    runtime = EXPORT_RUNTIMES.get(backend)
+    if model and runtime is None:
+        raise ConfigError(f"--model names the exported file of --backend {' or '.join(EXPORT_RUNTIMES)}; --backend "
+                          f"{backend} takes the PyTorch weights from TEST.WEIGHTS" +
+                          (" and finds the exports in CKPT itself." if backend == "auto" else "."))
+    if runtime is not None and not model:
+        raise ConfigError(f"--backend {backend} needs --model FILE, {runtime.files}.")
     if backend != "auto":
         return None
     cfg = load_cfg(cfg_file, opts)

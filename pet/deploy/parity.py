@@ -1,6 +1,6 @@
-"""The parity gate an ONNX export must pass before it counts.
+"""The parity gate an ONNX export (and its OpenVINO IR) must pass before it counts.
 
-:func:`check_parity` runs the PyTorch model and the ONNX model (in onnxruntime) on the same
+:func:`check_parity` runs the PyTorch model and the exported model (in onnxruntime or OpenVINO) on the same
 batches (:func:`parity_batches`: test images of several sizes and a blank one, in batches of 2 and 1) and
 raises :class:`ParityError` unless, on every image, they agree within :class:`Tolerance`.
 """
@@ -16,8 +16,8 @@ from fvcore.common.config import CfgNode
 from torch import Tensor
 
 from pet.data import DatasetMapper, collate_batch, get_dataset, read_image, register_custom_datasets
+from pet.deploy.exported_model import ExportedModel
 from pet.deploy.onnx import Batch
-from pet.deploy.onnxruntime_model import OnnxRuntimeModel
 from pet.modeling.postprocess import detections_to_original
 from pet.utils.errors import DataError, PetError
 
@@ -82,6 +82,7 @@ class ParityReport:
     """What the gate measured: the largest differences over all paired detections, and any disagreement."""
 
     tolerance: Tolerance
+    runtime: str = "onnxruntime"  # what ran the export, in messages
     images: int = 0
     detections: int = 0
     box_px: float = 0.0  # largest coordinate difference, px
@@ -105,11 +106,11 @@ class ParityReport:
                 f"score {self.score:.3g} (tolerance {tol.score:g}){masks}")
 
 
-def check_parity(model: torch.nn.Module, onnx_model: OnnxRuntimeModel, batches: Sequence[Batch],
+def check_parity(model: torch.nn.Module, onnx_model: ExportedModel, batches: Sequence[Batch],
                  tolerance: Tolerance = Tolerance()) -> ParityReport:
     """Compare ``model`` (PyTorch, eval mode, float32) and ``onnx_model`` on ``batches``; returns the report.
 
-    On every image each PyTorch detection must pair with an onnxruntime one of the same label within
+    On every image each PyTorch detection must pair with one of the export's of the same label within
     ``tolerance``, and the reverse (pairs are found greedily in score order, so two detections whose order flips
     on a near-tie still pair). Masks are compared pasted into the same box, the
     PyTorch one: the paste rounds box corners to whole pixels, so a box 1e-4 px off can shift a thin mask by a
@@ -126,7 +127,8 @@ image (at least one), so that boxes shifted as a whole do not pass as near-ties;
     bits, and the CPU's kernels decide which way): the two sides' counts may then differ. Anything else raises
     :class:`ParityError`, whose message has the report.
     """
-    report = ParityReport(tolerance)
+    # The runtime's name in messages: OnnxRuntimeModel's and OpenVinoModel's say (a stand-in without one: onnxruntime).
+    report = ParityReport(tolerance, getattr(onnx_model, "runtime", "onnxruntime"))
     model.eval()
     with torch.inference_mode(), torch.autocast("cpu", enabled=False):
         for images, targets in batches:
@@ -211,7 +213,8 @@ def _compare_image(report: ParityReport, ref: dict[str, Tensor], ours: dict[str,
             iou = mask_iou(i, j)
             report.mask_iou = min(iou, 1.0 if report.mask_iou is None else report.mask_iou)
             if iou < tol.mask_iou:
-                return f"detection {i} (label {int(ref['labels'][i])}) has a mask of IoU {iou:.4f} with onnxruntime's"
+                return (f"detection {i} (label {int(ref['labels'][i])}) has a mask of IoU {iou:.4f} with "
+                        f"{report.runtime}'s")
         if "keypoints" in ref:
             problem = _compare_keypoints(report, ref, ours, i, j, box_tol)
             if problem:
@@ -231,13 +234,13 @@ def _compare_image(report: ParityReport, ref: dict[str, Tensor], ours: dict[str,
     # What is left on either side (a count that differs included) must be a near-tie at a cut-off.
     far = [i for i in unpaired if not _near(float(ref["scores"][i]), cutoffs, tol.score)]
     if far:
-        return _unpaired(ref, ours, far[0])
+        return _unpaired(ref, ours, far[0], report.runtime)
     extra = [j for j in free.nonzero().flatten().tolist() if not _near(float(ours["scores"][j]), cutoffs, tol.score)]
     if extra:
         j = extra[0]
-        return (f"onnxruntime's detection {j} (label {int(ours['labels'][j])}, score {float(ours['scores'][j]):.4f}) "
-                f"has no PyTorch counterpart ({len(ref['boxes'])} detections in PyTorch, {len(ours['boxes'])} in "
-                "onnxruntime)")
+        return (f"{report.runtime}'s detection {j} (label {int(ours['labels'][j])}, score "
+                f"{float(ours['scores'][j]):.4f}) has no PyTorch counterpart ({len(ref['boxes'])} detections in "
+                f"PyTorch, {len(ours['boxes'])} in {report.runtime})")
     return ""
 
 
@@ -258,14 +261,14 @@ def _compare_keypoints(report: ParityReport, ref: dict[str, Tensor], ours: dict[
     report.keypoint_score = max(score, report.keypoint_score or 0.0)
     if px > box_tol or score > report.tolerance.score:
         return (f"detection {i} (label {int(ref['labels'][i])}) has keypoints {px:.3g} px and keypoint scores "
-                f"{score:.3g} (relative) from onnxruntime's")
+                f"{score:.3g} (relative) from {report.runtime}'s")
     return ""
 
 
-def _unpaired(ref: dict[str, Tensor], ours: dict[str, Tensor], i: int) -> str:
-    """Why PyTorch's detection ``i`` has no partner: how far the nearest onnxruntime box of its label is."""
+def _unpaired(ref: dict[str, Tensor], ours: dict[str, Tensor], i: int, runtime: str) -> str:
+    """Why PyTorch's detection ``i`` has no partner: how far the nearest box of its label from ``runtime`` is."""
     label = int(ref["labels"][i])
-    what = f"detection {i} (label {label}, score {float(ref['scores'][i]):.4f}) has no onnxruntime counterpart"
+    what = f"detection {i} (label {label}, score {float(ref['scores'][i]):.4f}) has no {runtime} counterpart"
     same = ours["labels"] == label
     if not same.any():
         return f"{what} (none of that label)"

@@ -4,9 +4,11 @@
 ``backend`` "pytorch": the config's model with its weights (``path``, else :func:`pet.config.default_weights`)
 on ``DEVICE``, wrapped in :class:`pet.modeling.test_time_augmentation.DetectorWithTTA` with ``TEST.AUG.ENABLED``
 (so test_net and predict both run test-time augmentation, and the engine need not know); "onnxruntime": an ONNX
-export of tools/export.py (``path``, else ``CKPT/model.onnx``) in onnxruntime, with the threads PyTorch would use
-(no test-time augmentation). ``--backend auto`` is decided before, by
-:func:`pet.deploy.backend.resolve_backend`, which names one of the two.
+export of tools/export.py (``path``, else ``CKPT/model.onnx``) in onnxruntime, and "openvino": its OpenVINO IR
+(``path``, else ``CKPT/model.xml``; tools/export.py --openvino) or the ONNX file in OpenVINO, both with the threads
+PyTorch would use (no test-time augmentation; the runtimes are :data:`pet.deploy.backend.EXPORT_RUNTIMES`).
+``--backend auto`` is decided before, by :func:`pet.deploy.backend.resolve_backend`, which names pytorch or
+onnxruntime.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from fvcore.common.config import CfgNode
 
 from pet.checkpoint import load_checkpoint
 from pet.config import default_weights
-from pet.deploy.onnxruntime_model import OnnxRuntimeModel
+from pet.deploy.backend import EXPORT_RUNTIMES
 from pet.engine.build import build_test_model
 from pet.modeling.test_time_augmentation import DetectorWithTTA
 from pet.predict.labels import ONNX_METADATA_KEY, label_space_from_checkpoint, model_keypoint_meta
@@ -28,13 +30,14 @@ from pet.utils.errors import ConfigError
 
 __all__ = ["BACKENDS", "InferenceModel", "load_inference_model"]
 
-# What runs a detector at inference.
-BACKENDS = ("pytorch", "onnxruntime")
+# What runs a detector at inference: PyTorch, or a runtime of the exports.
+BACKENDS = ("pytorch", *EXPORT_RUNTIMES)
 
 
 @dataclass
 class InferenceModel:
-    """A detector ready for inference: ``model`` (a PyTorch detector or an :class:`OnnxRuntimeModel`, both with
+    """A detector ready for inference: ``model`` (a PyTorch detector or an exported one, e.g. an
+    :class:`pet.deploy.OnnxRuntimeModel` or :class:`pet.deploy.OpenVinoModel`, all with
     Pet's batch contract), the ``backend`` that runs it, the ``path`` it was loaded from and the label space the
     file records (:meth:`pet.data.categories.LabelSpace.to_list` entries; None when it records none)."""
 
@@ -50,13 +53,16 @@ def load_inference_model(cfg: CfgNode, backend: str = "pytorch", path: str = "",
     a PyTorch checkpoint with ``weights_only=False``."""
     if cfg.TEST.AUG.ENABLED and backend in BACKENDS and backend != "pytorch":
         raise ConfigError(f"TEST.AUG.ENABLED (test-time augmentation) runs with the PyTorch backend only, not "
-                          f"{backend}: use --backend pytorch, or set TEST.AUG.ENABLED False.")
-    if backend == "onnxruntime":
-        path = path or os.path.join(cfg.CKPT, "model.onnx")
+                          f"{' or '.join(EXPORT_RUNTIMES)} (here {backend}): use --backend pytorch, or set "
+                          "TEST.AUG.ENABLED False.")
+    if backend in EXPORT_RUNTIMES:
+        runtime = EXPORT_RUNTIMES[backend]
+        path = path or os.path.join(cfg.CKPT, runtime.default_file)
         if not os.path.isfile(path):
-            raise ConfigError(f"ONNX model not found: {path} (write one with tools/export.py, or give --model FILE).")
-        model = OnnxRuntimeModel(path, threads=torch.get_num_threads())  # the threads PyTorch would use
-        recorded = model.session.get_modelmeta().custom_metadata_map.get(ONNX_METADATA_KEY)
+            raise ConfigError(f"Exported model not found for --backend {backend}: {path} (give --model FILE, "
+                              f"{runtime.files}).")
+        model = runtime.model(path, threads=torch.get_num_threads())  # the threads PyTorch would use
+        recorded = model.metadata.get(ONNX_METADATA_KEY)
         return InferenceModel(model, backend, path, json.loads(recorded) if recorded else None)
     if backend == "pytorch":
         flip_map = _keypoint_flip_map(cfg) if cfg.TEST.AUG.ENABLED else None  # before the model: fails early

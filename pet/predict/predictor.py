@@ -148,11 +148,11 @@ class Predictor:
     """A detector ready to predict, built from a config (a :class:`CfgNode` or a YAML path, with ``opts``).
 
     ``weights``: the checkpoint (default: :func:`pet.config.default_weights`), or with
-    ``backend="onnxruntime"`` the ONNX file of tools/export.py (run in float32). ``score_thresh`` drops
-    detections below it (default: none beyond the model's own ``SCORE_THRESH_TEST``); below that, a PyTorch
-    model's threshold is lowered to it (:func:`with_score_thresh`, as tools/predict.py's ``--score-thresh``),
-    while an export keeps the threshold it was exported with; ``max_det`` keeps the
-    best N per picture. ``tile`` (px, 0: off), ``tile_overlap`` (a fraction of the tile),
+    ``backend="onnxruntime"`` the ONNX file of tools/export.py, ``"openvino"`` its OpenVINO IR (both run in
+    float32). ``score_thresh`` drops detections below it (default: none beyond the model's own
+    ``SCORE_THRESH_TEST``); below that, a PyTorch model's threshold is lowered to it (:func:`with_score_thresh`,
+    as tools/predict.py's ``--score-thresh``), while an export keeps the threshold it was exported with;
+    ``max_det`` keeps the best N per picture. ``tile`` (px, 0: off), ``tile_overlap`` (a fraction of the tile),
     ``tile_whole_image`` and ``tile_merge`` set up tiling (:class:`pet.predict.tiling.TileSpec`); with tiles
     ``max_det`` defaults to 1000 and applies after the merge.
 
@@ -186,8 +186,8 @@ class Predictor:
         self.label_space = label_space or model_label_space(self.cfg, recorded, model_file)
         self._category_ids = np.array((0, *self.label_space.category_ids), dtype=np.int64)
         device = model_device(self.model)
-        self.precision = (Precision(device.type, None, False, "onnxruntime computes in float32")
-                          if backend == "onnxruntime" else inference_precision(self.cfg, self.model))
+        self.precision = (Precision(device.type, None, False, f"{backend} computes in float32")
+                          if backend != "pytorch" else inference_precision(self.cfg, self.model))
         self.stats: PredictStats | None = None
         self._warned_masks = False
         logger.info(f"Predicting with {model_file} ({self.label_space.num_classes} classes: "
