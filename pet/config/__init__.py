@@ -288,14 +288,14 @@ def _coerce(value: Any, default: Any, full_key: str, source: str) -> Any:
     )
 
 
-def _parse_literal(raw: str) -> Any:
+def _parse_literal(raw: Any) -> Any:
     """A Python literal; else a YAML flow list or mapping (``[{type: Resize, size: [640, 640]}]``, as in a config
     file); else the string itself."""
     try:
         return ast.literal_eval(raw)
     except (ValueError, SyntaxError):
         pass
-    if raw.lstrip().startswith(("[", "{")):
+    if isinstance(raw, str) and raw.lstrip().startswith(("[", "{")):
         try:
             value = yaml.safe_load(raw)
         except yaml.YAMLError:
