@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import time
+from typing import Any
 
 import torch
 
@@ -60,6 +61,18 @@ def check_output(output: str, check_only: bool, openvino: bool = False) -> None:
                           "--output, or leave out --check-only to export.")
 
 
+def gate_staged(model: torch.nn.Module, staged_model: Any, path: str, batches: list[Batch],
+                what: str) -> ParityReport:
+    """The parity gate on an export still under its temporary name; its messages name ``path``, the file the user
+    asked for, and a failure says that nothing was written there (and whether a previous ``what`` is kept)."""
+    staged_model.path = path
+    try:
+        return check_parity(model, staged_model, batches)
+    except ParityError as exc:
+        kept = f" (the previous {what} there is unchanged)" if os.path.exists(path) else ""
+        raise ParityError(f"{exc} It was not written to {path}{kept}.") from exc
+
+
 def write_openvino(model: torch.nn.Module, output: str, batches: list[Batch]) -> tuple[str, ParityReport]:
     """The OpenVINO IR of the checked export ``output``, written beside it (:func:`openvino_path`) only once it has
     passed the parity gate against ``model`` on ``batches``; returns its path and the gate's report.
@@ -72,12 +85,7 @@ def write_openvino(model: torch.nn.Module, output: str, batches: list[Batch]) ->
     with atomic_path(xml, keep_extension=True) as staged, atomic_path(weights, keep_extension=True):
         save_openvino(output, staged)
         staged_model = OpenVinoModel(staged, threads=torch.get_num_threads())
-        staged_model.path = xml  # the gate's messages name the file the user asked for
-        try:
-            report = check_parity(model, staged_model, batches)
-        except ParityError as exc:
-            kept = " (the previous IR there is unchanged)" if os.path.exists(xml) else ""
-            raise ParityError(f"{exc} It was not written to {xml}{kept}.") from exc
+        report = gate_staged(model, staged_model, xml, batches, "IR")
         del staged_model  # OpenVINO maps the staged .bin: let go of it before the rename
     return xml, report
 
@@ -145,13 +153,7 @@ def main() -> None:
                 export_onnx(model, batches[0], staged, metadata)
             logger.info(f"Exported {type(model).__name__} to {output} ({os.path.getsize(staged) / 2**20:.1f} MB) "
                         f"in {time.perf_counter() - start:.0f} s")
-            staged_model = OnnxRuntimeModel(staged)
-            staged_model.path = output  # the gate's messages name the file the user asked for
-            try:
-                report = check_parity(model, staged_model, batches)
-            except ParityError as exc:
-                kept = " (the previous file there is unchanged)" if os.path.exists(output) else ""
-                raise ParityError(f"{exc} It was not written to {output}{kept}.") from exc
+            report = gate_staged(model, OnnxRuntimeModel(staged), output, batches, "file")
     logger.info(f"Parity gate passed: {report.summary()}")
     logger.info(f"{output} gives the PyTorch model's detections; evaluate it with tools/test_net.py --cfg "
                 f"{args.cfg_file} --backend onnxruntime --model {output}")

@@ -216,7 +216,7 @@ class AugmentationPipeline:
         return any(s.scheduled for s in self.steps)
 
     @property
-    def mixes_images(self) -> int:
+    def min_images(self) -> int:
         """How many images a sample may need at least in the dataset (1 when nothing mixes images)."""
         return max([getattr(s.transform, "min_images", 1) for s in self.steps], default=1)
 

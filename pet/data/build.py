@@ -199,7 +199,7 @@ def build_train_loader(cfg: CfgNode, mapper: DatasetMapper | AugmentedMapper | N
 
 def _check_mixing(mapper: AugmentedMapper, dataset: DetectionDataset) -> None:
     """Transforms that mix images need that many in the set."""
-    needed = mapper.pipeline.mixes_images
+    needed = mapper.pipeline.min_images
     if len(dataset) < needed:
         names = [type(t).__name__ for t in mapper.pipeline.transforms if getattr(t, "min_images", 1) > len(dataset)]
         raise ConfigError(f"INPUT.AUGMENTATIONS: {', '.join(names)} mixes {needed} different images, but dataset "
