@@ -142,10 +142,11 @@ _C.MODEL.COMPILE = []
 _C.MODEL.FLOPS_INPUT_SIZE = ()
 
 _C.MODEL.BACKBONE = CN()
-# Registered backbone builder (pet.modeling.BACKBONE_REGISTRY): ResNet + FPN.
+# Registered backbone builder (pet.modeling.BACKBONE_REGISTRY): ResNet + FPN (also resnet_vd for RT-DETR, hgnetv2
+# for D-FINE / DEIMv2's HGNetv2).
 _C.MODEL.BACKBONE.TYPE = "resnet_fpn"
 # torchvision ResNet: resnet10 (one block per stage, for training from scratch), resnet18, resnet34, resnet50 or
-# resnet101.
+# resnet101; hgnetv2: B0-B6.
 _C.MODEL.BACKBONE.NAME = "resnet50"
 # Normalisation in the backbone: "FrozenBN", "BN" or "SyncBN".
 _C.MODEL.BACKBONE.NORM = "FrozenBN"

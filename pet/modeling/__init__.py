@@ -16,6 +16,7 @@ from pet.modeling.detector import Detector
 from pet.modeling.export_graph import build_export_graph, register_export_graph
 from pet.modeling.faster_rcnn import FasterRCNN
 from pet.modeling.fcos import FCOS
+from pet.modeling.hgnetv2 import HGNetV2
 from pet.modeling.keypoint_rcnn import KeypointRCNN
 from pet.modeling.mask_rcnn import MaskRCNN
 from pet.modeling.registry import *  # noqa: F403 - the registries, as registry.__all__ lists them
@@ -38,6 +39,7 @@ __all__ = [
     "CascadeRCNN",
     "CascadeMaskRCNN",
     "RTDETR",
+    "HGNetV2",
 ]
 __all__ += registry.__all__
 
