@@ -20,8 +20,10 @@ _OPTIONAL = {
     # OpenVINO, a second CPU runtime for the same ONNX export (--backend openvino, tools/export.py --openvino): an
     # extra of its own, as only a deployment on it needs it. Pet reads the export's metadata (score threshold, label
     # space) from where OpenVINO's ONNX frontend keeps it, the model's rt_info, which 2026.4 was checked to carry
-    # through save_model into the IR.
-    "openvino": ["openvino>=2026.4"],
+    # through save_model into the IR. NNCF: OpenVINO's own post-training int8 quantization (tools/export.py --openvino
+    # --int8); 3.4 quantizes OpenVINO 2026.4's models and takes an ignored scope by operation names, which keeps
+    # the parts Pet leaves in float32 out of it.
+    "openvino": ["openvino>=2026.4", "nncf>=3.4"],
 }
 _EXTRAS = {
     **_OPTIONAL,

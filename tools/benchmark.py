@@ -11,8 +11,9 @@
     python tools/benchmark.py low-data [--models faster_rcnn rtdetr] [--seeds 1 2 3] [--train-images 150]
                                        [--arms default strong] [--strong-max-iter N]
                                        [--max-iter N] [--out FILE]
-    python tools/benchmark.py onnx   [--arch demo faster_rcnn retinanet fcos mask_rcnn] [--size 800 1333] [--batch 1]
-                                     [--int8 [--calib 8] [--reduce-range] [--weights DEMO_WEIGHTS]]
+    python tools/benchmark.py onnx   [--arch demo faster_rcnn retinanet fcos mask_rcnn rtdetr] [--size 800 1333]
+                                     [--batch 1] [--int8 [--calib 8] [--reduce-range] [--weights DEMO_WEIGHTS]]
+                                     [--openvino]
                                      [--threads N] [--iters 1] [--repeats 3] [--out FILE]
     python tools/benchmark.py coco-eval [--images 5000] [--classes 80] [--tasks bbox segm] [--repeats 3] [--out FILE]
     python tools/benchmark.py predict [--part stream video] [--images 2000] [--batch 8] [--frames 320]
@@ -41,8 +42,9 @@ augmentations: milliseconds per training image of each transform alone and of wh
 against a v2 pipeline (tools/benchmarks/augmentations.py). low-data: the shapes demo models trained on 150 images with
 their default pipeline and with a strong one, 3 seeds each (tools/benchmarks/low_data.py). coco-eval: one COCO
 evaluation with pycocotools against faster-coco-eval on a synthetic COCO-sized set (tools/benchmarks/coco_eval.py).
-onnx: Pet's PyTorch models against their ONNX exports in onnxruntime, and with --int8 also PyTorch bfloat16 and the
-export quantized to int8 (tools/benchmarks/onnx.py).
+onnx: Pet's PyTorch models against their ONNX exports in onnxruntime (and with --openvino in OpenVINO), and with --int8
+also PyTorch bfloat16 and the export quantized to int8 (onnxruntime's, and NNCF's with --openvino)
+(tools/benchmarks/onnx.py).
 predict: tools/predict.py with the trained demo model: memory and images/s of a long stream against test_net,
 video frames/s (tools/benchmarks/predict.py). tiles: tiled prediction with each merge against the same model on
 uncut pictures (a mosaic of demo pictures, generated scenes) and against SAHI's sliced prediction of the same
@@ -112,7 +114,7 @@ def main() -> None:
     benchmarks.coco_eval.add_arguments(sub.add_parser(
         "coco-eval", help="COCO evaluation: pycocotools against faster-coco-eval"))
     benchmarks.onnx.add_arguments(sub.add_parser(
-        "onnx", help="PyTorch inference against the ONNX export in onnxruntime"))
+        "onnx", help="PyTorch inference against the ONNX export in onnxruntime and OpenVINO"))
     benchmarks.predict.add_arguments(sub.add_parser("predict", help="tools/predict.py: streams and video"))
     benchmarks.tiles.add_arguments(sub.add_parser("tiles", help="tiled prediction against uncut pictures and SAHI"))
     benchmarks.resume_skip.add_arguments(sub.add_parser(

@@ -19,7 +19,9 @@ training images, and writes it only if its bbox AP (and segm AP) on the first --
 ``--openvino`` then converts the (checked) export to an OpenVINO IR beside it (CKPT/model.xml + model.bin, float32)
 and runs the same parity gate on OpenVINO's detections; the IR is staged under temporary names and renamed into place
 only once it passes (the .bin first, the .xml last), so a failing IR is one line, exit status 2, and nothing under
-the final names. Needs the ``openvino`` extra.
+the final names. With ``--int8`` too, the export is also quantized for OpenVINO by NNCF (CKPT/model.int8.xml +
+.bin), with the same images, parts that stay float and AP gate as onnxruntime's int8, the float model run in
+OpenVINO (pet/deploy/openvino_int8.py). Needs the ``openvino`` extra.
 """
 import argparse
 import json
@@ -36,7 +38,7 @@ from pet.config import default_weights, load_cfg
 from pet.deploy.backend import WEIGHTS_SHA256_KEY, int8_path
 from pet.deploy.onnx import Batch, export_onnx, import_onnx
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel, import_onnxruntime
-from pet.deploy.openvino_model import OpenVinoModel, import_openvino, openvino_path, save_openvino
+from pet.deploy.openvino_model import OpenVinoModel, import_nncf, import_openvino, openvino_path, save_openvino
 from pet.deploy.parity import ParityError, ParityReport, check_parity, parity_batches
 from pet.modeling import build_model
 from pet.predict.labels import ONNX_METADATA_KEY, label_space_from_checkpoint, model_label_space
@@ -100,7 +102,8 @@ def main() -> None:
     parser.add_argument("--check-only", action="store_true",
                         help="only run the parity gate on the --output file (and --int8 on it)")
     parser.add_argument("--int8", action="store_true",
-                        help="also write an int8 model beside the output (model.int8.onnx) if it passes its AP gate")
+                        help="also write an int8 model beside the output (model.int8.onnx; with --openvino also "
+                             "model.int8.xml) if it passes its AP gate")
     parser.add_argument("--calib", type=int, default=0, metavar="N",
                         help="int8 calibration images from TRAIN.DATASETS[0] (default: 256, or 64 for test images "
                              "resized to 600 px or more)")
@@ -123,6 +126,8 @@ def main() -> None:
     import_onnxruntime()  # the gate runs the export in onnxruntime: without it, say so before the export's minutes
     if args.openvino:
         import_openvino()  # and the IR in OpenVINO
+    if args.openvino and args.int8:
+        import_nncf()  # which quantizes it
 
     # The int8 step's images are checked before the export, which takes minutes.
     sets = None
@@ -168,6 +173,15 @@ def main() -> None:
         logger.info(f"int8 gate passed: {int8_report.summary()}")
         logger.info(f"Wrote {int8_path(output)}; evaluate it with tools/test_net.py --cfg {args.cfg_file} --backend "
                     f"onnxruntime --model {int8_path(output)}, or let --backend auto choose")
+    if sets is not None and args.openvino:
+        from pet.deploy.openvino_int8 import OpenVinoQuantizer
+
+        xml_int8 = int8_path(openvino_path(output))
+        openvino_report = quantize_with_gate(cfg, output, xml_int8, sets, args.int8_tolerance,
+                                             threads=torch.get_num_threads(), quantizer=OpenVinoQuantizer)
+        logger.info(f"OpenVINO int8 gate passed: {openvino_report.summary()}")
+        logger.info(f"Wrote {xml_int8}; evaluate it with tools/test_net.py --cfg {args.cfg_file} --backend openvino "
+                    f"--model {xml_int8}, or let --backend auto choose")
 
 
 if __name__ == "__main__":

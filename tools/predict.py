@@ -21,7 +21,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pet.cli import default_argument_parser, default_setup, launch_cli
-from pet.deploy.backend import resolve_backend
+from pet.deploy.backend import BackendChoice, resolve_backend
 from pet.deploy.exported_model import ExportedModel
 from pet.predict import PREDICT_DEFAULTS, PredictionWriter, Predictor, PredictStats, Source
 from pet.predict.labels import model_keypoint_meta
@@ -65,16 +65,20 @@ def parse_args() -> argparse.Namespace:
                         help="take predictions.json's image ids from this COCO file, by file name")
     parser.add_argument("--backend", choices=(*BACKENDS, "auto"), default="pytorch",
                         help="run the PyTorch model, an ONNX export of it in onnxruntime or OpenVINO (needs "
-                             "--model), or the fastest of PyTorch and onnxruntime on this CPU (auto)")
+                             "--model), or the fastest of PyTorch and the exports in CKPT, measured on this "
+                             "machine (auto)")
     parser.add_argument("--model", default="", metavar="FILE",
                         help="the exported file for --backend onnxruntime (ONNX) or openvino (its .xml IR, or ONNX)")
     return parser.parse_args()
 
 
-def config_opts(args: argparse.Namespace, backend: str) -> list[str]:
-    """The command line's config overrides, after predict's own defaults (skip unreadable pictures)."""
+def config_opts(args: argparse.Namespace, backend: str, choice: BackendChoice | None = None) -> list[str]:
+    """The command line's config overrides, after predict's own defaults (skip unreadable pictures), and the
+    precision of ``--backend auto``'s ``choice``."""
     opts = [*PREDICT_DEFAULTS, *args.opts]
-    if backend != "pytorch":
+    if choice:
+        opts += choice.opts
+    elif backend != "pytorch":
         opts += ["TEST.AMP.ENABLED", "False"]  # an export computes in float32; the log then says so too
     return opts
 
@@ -139,7 +143,7 @@ def main() -> None:
     formats = parse_formats(args.save)
     if args.ann and not os.path.isfile(args.ann):
         raise DataError(f"--ann {args.ann} does not exist.")
-    cfg = default_setup(args.cfg_file, config_opts(args, backend), args.local_rank)
+    cfg = default_setup(args.cfg_file, config_opts(args, backend, choice), args.local_rank)
     output = args.output or os.path.join(cfg.CKPT, "predict")
     source = Source(args.input, exclude=output)  # before the output exists: a typo in --input leaves no folder
     check_writable(output)

@@ -58,14 +58,19 @@ def main() -> None:
                         help="draw detections over ground truth on the first N test images into CKPT/test/vis/")
     parser.add_argument("--backend", choices=(*BACKENDS, "auto"), default="pytorch",
                         help="run the PyTorch model, an ONNX export of it in onnxruntime or OpenVINO (needs "
-                             "--model), or the fastest of PyTorch and onnxruntime on this CPU (auto)")
+                             "--model), or the fastest of PyTorch and the exports in CKPT, measured on this "
+                             "machine (auto)")
     parser.add_argument("--model", default="", metavar="FILE",
                         help="the exported file for --backend onnxruntime (ONNX) or openvino (its .xml IR, or ONNX)")
     args = parser.parse_args()
     choice = resolve_backend(args.cfg_file, args.opts, args.backend, args.model)
     backend, model_file = (choice.backend, choice.model) if choice else (args.backend, args.model)
     # An export computes in float32 (int8 for an int8 export) whatever TEST.AMP says; the log then says so too.
-    opts = [*args.opts, "TEST.AMP.ENABLED", "False"] if backend != "pytorch" else args.opts
+    # auto's choice says the precision it measured.
+    if choice:
+        opts = [*args.opts, *choice.opts]
+    else:
+        opts = [*args.opts, "TEST.AMP.ENABLED", "False"] if backend != "pytorch" else args.opts
     cfg = default_setup(args.cfg_file, opts, args.local_rank)
     if choice:
         logger.info(f"--backend auto: {choice}")

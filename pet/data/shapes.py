@@ -13,21 +13,20 @@ object is only placed where every earlier one keeps at least three quarters of i
 """
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import cv2
 import numpy as np
 
-from pet.utils.files import atomic_path
+from pet.utils.files import atomic_path, file_lock
 
 __all__ = ["SHAPE_CLASSES", "DrawnObject", "generate_shapes", "is_complete", "render_picture", "render_objects",
            "render_scene", "mask_polygons"]
@@ -71,7 +70,7 @@ def generate_shapes(
         return root
     parent = os.path.dirname(root)
     os.makedirs(parent, exist_ok=True)
-    with _file_lock(os.path.join(parent, f".{os.path.basename(root)}.lock")):
+    with file_lock(os.path.join(parent, f".{os.path.basename(root)}.lock")):
         if is_complete(root, params):  # another process finished it while we waited
             return root
         start = time.perf_counter()
@@ -99,21 +98,6 @@ def is_complete(root: str, params: dict[str, Any] | None = None) -> bool:
             return json.load(f) == params
     except (OSError, ValueError):
         return False
-
-
-@contextlib.contextmanager
-def _file_lock(path: str) -> Iterator[None]:
-    try:
-        import fcntl  # POSIX only
-    except ImportError:  # not POSIX: no cross-process lock, the rename still keeps sets whole
-        yield
-        return
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _write_split(out_dir: str, split: str, count: int, seed: tuple[int, int], params: dict[str, Any]) -> None:

@@ -21,7 +21,13 @@ from pet.modeling.postprocess import detections_to_original
 from pet.modeling.preprocess import image_sizes
 from pet.utils.errors import PetError
 
-__all__ = ["ExportedModel", "session_inputs"]
+__all__ = ["ExportedModel", "FLOAT_SHA256_KEY", "WEIGHTS_SHA256_KEY", "session_inputs"]
+
+# The metadata key under which tools/export.py records the sha256 of the weights file it exported.
+WEIGHTS_SHA256_KEY = "pet.weights_sha256"
+# The metadata key under which a file made from the float ONNX export (its int8 model, its OpenVINO IRs) records that
+# export's sha256: it computes with that export's thresholds, so --backend auto offers it only beside that very file.
+FLOAT_SHA256_KEY = "pet.int8.float_sha256"
 
 
 class ExportedModel(torch.nn.Module):

@@ -1,15 +1,19 @@
 """Static int8 quantization of an exported model, written only if it keeps the float model's AP.
 
-:func:`quantize_with_gate` turns the float ONNX file of :func:`pet.deploy.onnx.export_onnx` into an int8 one with
-onnxruntime's quantization tools, in three steps on three disjoint sets of images (:func:`int8_image_sets`):
+:func:`quantize_with_gate` turns the float ONNX file of :func:`pet.deploy.onnx.export_onnx` into an int8 one, in
+three steps on three disjoint sets of images (:func:`int8_image_sets`). A :class:`RuntimeQuantizer` quantizes for
+one runtime: :class:`OnnxRuntimeQuantizer` (onnxruntime's tools, below) writes ``model.int8.onnx``;
+:class:`pet.deploy.openvino_int8.OpenVinoQuantizer` (NNCF) writes OpenVINO's ``model.int8.xml``. The steps, the
+parts that stay float and the gate are the same for both:
 
-1. **Calibration** (``calibration``: training images, the test transforms): onnxruntime's pre-processing
-   (``quant_pre_process``: shape inference, constant folding), then the float model runs on them once and
-   records every activation's range (min and max); the ranges are cached, so each candidate below is
-   quantized without running the model again. Format QDQ, weights int8 per output channel, activations
-   uint8 (u8s8: the pair onnxruntime's x86 kernels fuse into ``QLinearConv``; s8s8 left most convolutions
-   unfused there). ``reduce_range`` (7-bit weights) on a CPU without VNNI, where u8s8 products can
-   saturate (:func:`pet.utils.cpu.cpu_int8_support`); the file records which.
+1. **Calibration** (``calibration``: training images, the test transforms): the float model runs on them and
+   records every activation's range. onnxruntime: its pre-processing (``quant_pre_process``: shape inference,
+   constant folding), then min and max of every activation, cached, so each candidate below is quantized without
+   running the model again; format QDQ, weights int8 per output channel, activations uint8 (u8s8: the pair
+   onnxruntime's x86 kernels fuse into ``QLinearConv``; s8s8 left most convolutions unfused there). OpenVINO: NNCF's
+   post-training quantization of the IR, its own statistics and bias correction. ``reduce_range`` (7-bit weights)
+   on a CPU without VNNI, where u8s8 products can saturate (:func:`pet.utils.cpu.cpu_int8_support`); the file
+   records which.
 2. **What runs int8** (``selection``: other training images): the convolutions and matrix products of each
    quantizable part (the detector's ``float_parts``, which the export records, stay float: see
    :class:`pet.modeling.Detector`), with the additions, ReLUs, max-pools
@@ -19,11 +23,11 @@ onnxruntime's quantization tools, in three steps on three disjoint sets of image
    added from the least harmful while the AP stays within it.
 3. **The gate** (``gate``: TEST.DATASETS[0], never seen by steps 1 and 2, so the choice does not fit the gate's
    own images): the int8 model's bbox AP (and segm AP for masks) must be within ``tolerance`` AP points of the
-   float ONNX model's on the same images. Only then is the file written; otherwise :class:`Int8AccuracyError`
+   float model's (same runtime) on the same images. Only then is the file written; otherwise :class:`Int8AccuracyError`
    says how far it fell (one line and exit status 2 in tools/export.py).
 
 AP is measured as tools/test_net.py measures it: :func:`pet.engine.inference.inference_on_dataset` with the COCO
-evaluator, the models in onnxruntime (:class:`OnnxRuntimeModel`).
+evaluator, the float and the int8 model in the quantizer's runtime.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import math
 import os
 import random
 import tempfile
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +49,7 @@ import numpy as np
 from fvcore.common.config import CfgNode
 
 from pet.data import COCODataset, DatasetMapper, collate_batch, get_dataset, read_image, register_custom_datasets
-from pet.deploy.backend import FLOAT_SHA256_KEY
+from pet.deploy.exported_model import FLOAT_SHA256_KEY, ExportedModel
 from pet.deploy.onnx import Batch
 from pet.deploy.onnxruntime_model import INSTALL_EXPORT_EXTRA, OnnxRuntimeModel, session_inputs
 from pet.engine.inference import inference_on_dataset
@@ -61,8 +66,9 @@ except ImportError as exc:
     raise PetError(f"{exc.name or 'onnxruntime'} is not installed, and int8 quantization needs it: "
                    f"{INSTALL_EXPORT_EXTRA}") from exc
 
-__all__ = ["Int8AccuracyError", "Int8ImageSets", "Int8Report", "Quantizer", "QUANTIZED_OPS",
-           "default_image_counts", "detection_ap", "int8_image_sets", "model_parts", "quantize_with_gate"]
+__all__ = ["Int8AccuracyError", "Int8ImageSets", "Int8Report", "OnnxRuntimeQuantizer", "QUANTIZED_OPS",
+           "RecordBatches", "RuntimeQuantizer", "default_image_counts", "detection_ap", "int8_image_sets",
+           "model_parts", "quantize_with_gate"]
 
 logger = logging.getLogger(__name__)
 
@@ -152,8 +158,8 @@ class _CalibrationReader(CalibrationDataReader):
         return None if batch is None else session_inputs(*batch)
 
 
-def model_parts(model: onnx.ModelProto) -> dict[str, list[str]]:
-    """The names of the :data:`QUANTIZED_OPS` nodes of each part of an exported model, in graph order.
+def model_parts(model: onnx.ModelProto, op_types: Sequence[str] | None = QUANTIZED_OPS) -> dict[str, list[str]]:
+    """The names of the ``op_types`` nodes (None: every node) of each part of an exported model, in graph order.
 
     A part is a module two levels down the detector (``backbone.body``, ``backbone.fpn``, ``rpn.head``,
     ``roi_heads.box_head``, ``head.classification_head``, RT-DETR's ``encoder.aifi``, ``decoder.layers``, ...), read
@@ -165,7 +171,7 @@ def model_parts(model: onnx.ModelProto) -> dict[str, list[str]]:
     float_parts = next((p.value.split(",") for p in model.metadata_props if p.key == "pet.float_parts"), [])
     parts: dict[str, list[str]] = {}
     for node in model.graph.node:
-        if node.op_type not in QUANTIZED_OPS:
+        if op_types is not None and node.op_type not in op_types:
             continue
         scopes = next((ast.literal_eval(p.value) for p in node.metadata_props if p.key == _SCOPES), [])
         part = next((".".join(s.split(".")[:2]) for s in scopes if s.count(".") >= 1), None)
@@ -174,13 +180,44 @@ def model_parts(model: onnx.ModelProto) -> dict[str, list[str]]:
     return parts
 
 
-class Quantizer:
-    """An exported float model, pre-processed and calibrated once; :meth:`quantize` writes an int8 version of it
-    with the chosen parts in int8.
+def no_parts_error(float_path: str) -> PetError:
+    return PetError(f"{float_path} has no part that can run in int8 (no convolution or matrix product inside a module "
+                    "of the detector, as torch's exporter records them). Export it again with tools/export.py.")
 
-    ``workdir`` holds the pre-processed model and the calibration cache; ``calibration`` are the batches of one
-    image each that the ranges are measured on (read once, at the first :meth:`quantize`).
+
+class RuntimeQuantizer:
+    """An exported float model made ready to quantize once; :meth:`quantize` writes a version of it with the chosen
+    parts in int8, for one runtime.
+
+    A subclass is made with ``(float_path, workdir, calibration, reduce_range)``: the float ONNX export, a folder
+    for its working files, the batches of one image each that the activations' ranges are measured on (read at the
+    first :meth:`quantize`), and whether weights take 7 bits (a CPU without VNNI). It sets :attr:`parts` (the
+    names of the nodes of each quantizable part, :func:`model_parts`) and :attr:`suffix` (its files' extension).
     """
+
+    parts: dict[str, list[str]]
+    suffix = ".onnx"
+
+    def quantize(self, parts: Iterable[str], path: str) -> str:
+        """Write to ``path`` the model with ``parts`` (keys of :attr:`parts`) in int8; returns ``path``."""
+        raise NotImplementedError
+
+    def load(self, path: str, threads: int) -> ExportedModel:
+        """The model at ``path`` (the float export, or one :meth:`quantize` wrote) in this runtime."""
+        raise NotImplementedError
+
+    def record(self, path: str, facts: dict[str, str]) -> None:
+        """Add ``facts`` to the metadata of the model at ``path``."""
+        raise NotImplementedError
+
+    def publish(self, path: str, output: str) -> None:
+        """Move the model at ``path`` to ``output`` (a rename: the previous file stays until then)."""
+        os.replace(path, output)
+
+
+class OnnxRuntimeQuantizer(RuntimeQuantizer):
+    """onnxruntime's static quantization (QDQ): the float export pre-processed once, its calibration cached in
+    ``workdir``, so each :meth:`quantize` only writes the model."""
 
     def __init__(self, float_path: str, workdir: str, calibration: RecordBatches | Sequence[Batch],
                  reduce_range: bool) -> None:
@@ -200,15 +237,12 @@ class Quantizer:
         self.parts = {part: [name for name in names if name in kept]
                       for part, names in model_parts(onnx.load(float_path)).items()}
         if not self.parts:
-            raise PetError(f"{float_path} has no part that can run in int8 (no convolution or matrix product inside "
-                           "a module of the detector, as torch's exporter records them). Export it again with "
-                           "tools/export.py.")
+            raise no_parts_error(float_path)
         self.reduce_range = reduce_range
         self._cache = os.path.join(workdir, "calibration.json")
         self._calibration = calibration
 
     def quantize(self, parts: Iterable[str], path: str) -> str:
-        """Write to ``path`` the model with ``parts`` (keys of :attr:`parts`) in int8; returns ``path``."""
         nodes = [name for part in parts for name in self.parts[part]]
         reader = None
         if not os.path.isfile(self._cache):
@@ -219,6 +253,15 @@ class Quantizer:
                         op_types_to_quantize=list(QUANTIZED_OPS), nodes_to_quantize=nodes,
                         calibration_cache_path=self._cache)
         return path
+
+    def load(self, path: str, threads: int) -> ExportedModel:
+        return OnnxRuntimeModel(path, threads=threads)
+
+    def record(self, path: str, facts: dict[str, str]) -> None:
+        model = onnx.load(path)
+        for key, value in facts.items():
+            model.metadata_props.add(key=key, value=value)
+        onnx.save(model, path)
 
 
 @dataclass
@@ -239,7 +282,7 @@ class Int8Report:
                 f"int8: {', '.join(self.parts)}{' (7-bit weights: reduce_range)' if self.reduce_range else ''}")
 
 
-def detection_ap(model: OnnxRuntimeModel, dataset: COCODataset, batches: RecordBatches) -> dict[str, float]:
+def detection_ap(model: ExportedModel, dataset: COCODataset, batches: RecordBatches) -> dict[str, float]:
     """``{"bbox": AP}`` (and ``"segm"`` for a model with masks) of ``model`` on ``batches``' images of ``dataset``,
     logged as one line (the test loop's progress and the evaluator's tables are left out)."""
     evaluator = COCOEvaluator(dataset, None, diagnostics=False)
@@ -266,44 +309,46 @@ def _quiet(*names: str) -> Iterator[None]:
 
 
 def quantize_with_gate(cfg: CfgNode, float_path: str, output: str, sets: Int8ImageSets, tolerance: float = 1.0,
-                       threads: int = 0) -> Int8Report:
+                       threads: int = 0, quantizer: type[RuntimeQuantizer] = OnnxRuntimeQuantizer) -> Int8Report:
     """Quantize ``float_path`` as the module docstring says and write ``output`` if it passes the gate.
 
     ``tolerance``: how many AP points (0-100) below the float model the int8 model may be on the gate's images.
-    ``threads``: onnxruntime's intra-op threads. Raises :class:`Int8AccuracyError` (nothing written) otherwise.
+    ``threads``: the runtime's threads. ``quantizer``: the runtime's :class:`RuntimeQuantizer` (default
+    onnxruntime's); the float model it is measured against runs in that runtime too. Raises
+    :class:`Int8AccuracyError` (nothing written) otherwise.
     """
     support = cpu_int8_support()
     reduce_range = not support.native
     logger.info(f"int8: {support.reason}, so weights are quantized to {'7' if reduce_range else '8'} bits "
                 f"(reduce_range {reduce_range})")
     batch_size = cfg.TEST.IMS_PER_BATCH
-    float_model = OnnxRuntimeModel(float_path, threads=threads)
     with tempfile.TemporaryDirectory(prefix=".int8-", dir=os.path.dirname(os.path.abspath(output))) as workdir:
         # One image per calibration batch: the ranges do not depend on the batch, and no padding is calibrated.
-        quantizer = Quantizer(float_path, workdir, RecordBatches(cfg, sets.calibration, 1), reduce_range)
+        q = quantizer(float_path, workdir, RecordBatches(cfg, sets.calibration, 1), reduce_range)
+        float_model = q.load(float_path, threads)
         selection = RecordBatches(cfg, sets.selection, batch_size)
-        parts, notes = _choose_parts(quantizer, float_model, sets.train, selection, tolerance / 2, threads, workdir)
+        parts, notes = _choose_parts(q, float_model, sets.train, selection, tolerance / 2, threads, workdir)
         logger.info(f"int8: chose {', '.join(parts)} ({'; '.join(notes)})")
-        candidate = quantizer.quantize(parts, os.path.join(workdir, "model.int8.onnx"))
+        candidate = q.quantize(parts, os.path.join(workdir, f"model.int8{q.suffix}"))
         report = Int8Report(parts, reduce_range, tolerance, len(sets.gate), sets.test.name)
         gate = RecordBatches(cfg, sets.gate, batch_size)
         report.ap["float32"] = _reference_ap(float_model, sets.test, gate, "gate")
-        report.ap["int8"] = detection_ap(OnnxRuntimeModel(candidate, threads=threads), sets.test, gate)
+        report.ap["int8"] = detection_ap(q.load(candidate, threads), sets.test, gate)
         _check_gate(report, output)
-        _record(candidate, report, len(sets.calibration), sets.train.name, float_path)
-        os.replace(candidate, output)
+        q.record(candidate, _facts(report, len(sets.calibration), sets.train.name, float_path))
+        q.publish(candidate, output)
     return report
 
 
-def _choose_parts(quantizer: Quantizer, float_model: OnnxRuntimeModel, dataset: COCODataset,
+def _choose_parts(quantizer: RuntimeQuantizer, float_model: ExportedModel, dataset: COCODataset,
                   batches: RecordBatches, budget: float, threads: int, workdir: str) -> tuple[list[str], list[str]]:
     """The parts to run in int8: all if the selection images' AP stays within ``budget`` points of the float model's,
     else those added from the least harmful (each measured alone) while it does. Returns them and a log of why."""
     reference = _reference_ap(float_model, dataset, batches, "selection")
-    path = os.path.join(workdir, "candidate.onnx")
+    path = os.path.join(workdir, f"candidate{quantizer.suffix}")
 
     def loss(parts: Sequence[str]) -> float:
-        ap = detection_ap(OnnxRuntimeModel(quantizer.quantize(parts, path), threads=threads), dataset, batches)
+        ap = detection_ap(quantizer.load(quantizer.quantize(parts, path), threads), dataset, batches)
         return max(reference[task] - ap[task] for task in reference)
 
     everything = list(quantizer.parts)
@@ -326,7 +371,7 @@ def _choose_parts(quantizer: Quantizer, float_model: OnnxRuntimeModel, dataset: 
     return [part for part in everything if part in chosen], notes
 
 
-def _reference_ap(model: OnnxRuntimeModel, dataset: COCODataset, batches: RecordBatches, use: str) -> dict[str, float]:
+def _reference_ap(model: ExportedModel, dataset: COCODataset, batches: RecordBatches, use: str) -> dict[str, float]:
     """The float model's AP, which must be a number: images without annotated objects have none to compare."""
     ap = detection_ap(model, dataset, batches)
     if not ap or any(math.isnan(value) for value in ap.values()):
@@ -348,15 +393,21 @@ def _check_gate(report: Int8Report, output: str) -> None:
             "TRAIN.DATASETS) or allow more with --int8-tolerance AP.")
 
 
-def _record(path: str, report: Int8Report, calibration_images: int, calibration_dataset: str, float_path: str) -> None:
-    """Write what the int8 model is and what its gate measured into its metadata (``pet.int8.*``), with the sha256 of
-    the float export it was quantized from (--backend auto offers it only beside that export: it has its thresholds)."""
-    model = onnx.load(path)
-    facts = {FLOAT_SHA256_KEY: file_sha256(float_path),
-             "pet.int8.parts": ",".join(report.parts), "pet.int8.reduce_range": str(report.reduce_range),
-             "pet.int8.calibration": f"{calibration_images} images of {calibration_dataset}",
-             "pet.int8.gate": json.dumps({"dataset": report.gate_dataset, "images": report.gate_images,
-                                          "tolerance": report.tolerance, "ap": report.ap})}
-    for key, value in facts.items():
-        model.metadata_props.add(key=key, value=value)
-    onnx.save(model, path)
+def _facts(report: Int8Report, calibration_images: int, calibration_dataset: str, float_path: str) -> dict[str, str]:
+    """What the int8 model is and what its gate measured, for its metadata (``pet.int8.*``), with the sha256 of the
+    float export it was quantized from (--backend auto offers it only beside that export: it has its thresholds)."""
+    return {FLOAT_SHA256_KEY: file_sha256(float_path),
+            "pet.int8.parts": ",".join(report.parts), "pet.int8.reduce_range": str(report.reduce_range),
+            "pet.int8.calibration": f"{calibration_images} images of {calibration_dataset}",
+            "pet.int8.gate": json.dumps({"dataset": report.gate_dataset, "images": report.gate_images,
+                                         "tolerance": report.tolerance, "ap": report.ap})}
+
+
+def __getattr__(name: str) -> Any:
+    """``Quantizer``, :class:`OnnxRuntimeQuantizer`'s name before OpenVINO's joined it, with a DeprecationWarning until
+    Pet 0.4.0."""
+    if name == "Quantizer":
+        warnings.warn("pet.deploy.int8.Quantizer is now pet.deploy.int8.OnnxRuntimeQuantizer; the old name goes in "
+                      "Pet 0.4.0.", DeprecationWarning, stacklevel=2)
+        return OnnxRuntimeQuantizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,7 +7,8 @@ after the IR itself has passed the parity gate), or an ONNX file directly (OpenV
 
 The graph's dynamic batch, height and width stay dynamic: OpenVINO compiles the model once for any shape. It computes
 in float32 whatever the CPU supports: OpenVINO's CPU plugin would otherwise run bfloat16 where the CPU has it, and the
-parity gate holds float32's tolerances. int8 (NNCF) is not done yet.
+parity gate holds float32's tolerances; an int8 IR (:mod:`pet.deploy.openvino_int8`, NNCF) computes its quantized
+parts in int8 and the rest in float32.
 """
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ from types import ModuleType
 
 import numpy as np
 
-from pet.deploy.exported_model import ExportedModel
+from pet.deploy.exported_model import FLOAT_SHA256_KEY, ExportedModel
 from pet.utils.errors import PetError
+from pet.utils.files import file_sha256
 
-__all__ = ["INSTALL_OPENVINO_EXTRA", "OpenVinoModel", "import_openvino", "openvino_path", "save_openvino"]
+__all__ = ["INSTALL_OPENVINO_EXTRA", "OpenVinoModel", "import_nncf", "import_openvino", "openvino_metadata",
+           "openvino_path", "save_openvino"]
 
 # How to install OpenVINO, an extra of its own: onnxruntime alone is the default deployment path.
 INSTALL_OPENVINO_EXTRA = 'pip install -e ".[openvino]"'
@@ -35,6 +38,17 @@ def import_openvino() -> ModuleType:
     return openvino
 
 
+def import_nncf() -> ModuleType:
+    """nncf, from the optional ``openvino`` extra; without it, one line saying how to install it (tools/export.py
+    checks before exporting)."""
+    try:
+        import nncf  # an optional extra ("openvino"): only OpenVINO's int8 needs it
+    except ImportError as exc:
+        raise PetError(f"nncf is not installed, and OpenVINO's int8 quantization needs it: {INSTALL_OPENVINO_EXTRA}"
+                       ) from exc
+    return nncf
+
+
 def openvino_path(onnx_path: str) -> str:
     """Where tools/export.py --openvino writes the IR of the export ``onnx_path``: ``model.onnx`` -> ``model.xml``
     beside it (and its weights in ``model.bin``, the name OpenVINO derives from the .xml's)."""
@@ -44,10 +58,12 @@ def openvino_path(onnx_path: str) -> str:
 def save_openvino(onnx_path: str, xml_path: str) -> str:
     """Convert the ONNX export ``onnx_path`` to an OpenVINO IR at ``xml_path`` (+ the .bin beside it); returns
     ``xml_path``. The weights stay float32 (OpenVINO's default compresses them to float16), and the ONNX file's
-    metadata (score threshold, label space, weights' sha256) travels in the IR's ``rt_info``."""
+    metadata (score threshold, label space, weights' sha256) travels in the IR's ``rt_info``, with the sha256 of
+    ``onnx_path`` itself (``FLOAT_SHA256_KEY``: the IR computes with that export's thresholds)."""
     openvino = import_openvino()
     try:
         model = openvino.Core().read_model(onnx_path)
+        model.set_rt_info(file_sha256(onnx_path), ["framework", FLOAT_SHA256_KEY])
         openvino.save_model(model, xml_path, compress_to_fp16=False)
     except Exception as exc:  # OpenVINO raises RuntimeError subclasses of its own, with multi-line messages
         raise PetError(f"OpenVINO cannot convert {onnx_path}: {_cause(exc)}") from exc
@@ -85,6 +101,16 @@ class OpenVinoModel(ExportedModel):
         # share_outputs=False: the arrays are copies, so the next batch does not overwrite detections still in use.
         results = self.request.infer(inputs, share_inputs=True, share_outputs=False)
         return [results[output] for output in self.compiled.outputs]
+
+
+def openvino_metadata(path: str) -> dict[str, str]:
+    """The metadata an IR (or an ONNX file) carries, as :class:`OpenVinoModel` reads it ({} for a file OpenVINO cannot
+    read), without compiling it."""
+    openvino = import_openvino()
+    try:
+        return _metadata(openvino.Core().read_model(path))
+    except Exception:  # noqa: BLE001 - OpenVINO's own RuntimeError for a damaged file: then it records nothing
+        return {}
 
 
 def _metadata(model: object) -> dict[str, str]:

@@ -45,7 +45,8 @@ from pet.utils.cpu import machine_fingerprint
 from pet.utils.files import write_json_atomic
 from pet.utils.rng import get_rng_state, set_rng_state
 
-__all__ = ["MARGIN", "SpeedProbe", "Measurement", "DecisionCache", "model_probe", "measured_speedup"]
+__all__ = ["MARGIN", "DecisionCache", "JsonCache", "Measurement", "SpeedProbe", "Timing", "measured_speedup",
+           "model_probe", "time_alternating"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,14 +108,46 @@ class Measurement:
                 f"({self.speedup:.2f}x, {verdict}){unsteady}")
 
 
-class DecisionCache:
-    """Measurements by key in one JSON file (``PET_CACHE_DIR``/precision.json), written atomically."""
+class JsonCache:
+    """Entries by key in one JSON file under ``PET_CACHE_DIR`` (:func:`default_cache_dir`), written atomically: the
+    measurements a machine makes once and then reuses (``what`` names them in the warning about a read-only home)."""
+
+    def __init__(self, filename: str, directory: str | None = None, what: str = "measurement") -> None:
+        self.path = os.path.join(directory or default_cache_dir(), filename)
+        self.what = what
+
+    def get_entry(self, key: str) -> dict[str, Any] | None:
+        entry = self._read().get(key)
+        return entry if isinstance(entry, dict) else None
+
+    def put_entry(self, key: str, entry: dict[str, Any]) -> None:
+        """Store ``entry`` under ``key``, with the time it was measured."""
+        entries = self._read()
+        entries[key] = {**entry, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            write_json_atomic(self.path, entries)
+        except OSError as exc:  # a read-only home: the decision still holds for this run
+            logger.warning(f"Could not cache the {self.what} in {self.path} ({exc.strerror}); "
+                           "the next run measures again. Set PET_CACHE_DIR to a writable folder.")
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            with open(self.path) as f:
+                entries = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        return entries if isinstance(entries, dict) else {}
+
+
+class DecisionCache(JsonCache):
+    """The precision measurements (:class:`Measurement` by key), in ``PET_CACHE_DIR``/precision.json."""
 
     def __init__(self, directory: str | None = None) -> None:
-        self.path = os.path.join(directory or default_cache_dir(), "precision.json")
+        super().__init__("precision.json", directory, what="precision decision")
 
     def get(self, key: str) -> Measurement | None:
-        entry = self._read().get(key)
+        entry = self.get_entry(key)
         if entry is None:
             return None
         try:
@@ -125,23 +158,7 @@ class DecisionCache:
 
     def put(self, key: str, measurement: Measurement, record: dict[str, Any]) -> None:
         """Store ``measurement`` under ``key`` with ``record`` (what the key stands for, for a reader)."""
-        entries = self._read()
-        entries[key] = {**asdict(measurement), "source": None, **record,
-                        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        try:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            write_json_atomic(self.path, entries)
-        except OSError as exc:  # a read-only home: the decision still holds for this run
-            logger.warning(f"Could not cache the precision decision in {self.path} ({exc.strerror}); "
-                           "the next run measures again. Set PET_CACHE_DIR to a writable folder.")
-
-    def _read(self) -> dict[str, Any]:
-        try:
-            with open(self.path) as f:
-                entries = json.load(f)
-        except (OSError, ValueError):
-            return {}
-        return entries if isinstance(entries, dict) else {}
+        self.put_entry(key, {**asdict(measurement), "source": None, **record})
 
 
 def default_cache_dir() -> str:
@@ -170,34 +187,50 @@ def measured_speedup(probe: SpeedProbe, dtype: torch.dtype, cache: DecisionCache
 def time_probe(probe: SpeedProbe, dtype: torch.dtype) -> Measurement:
     """Median seconds per step of ``probe`` in float32 and under ``dtype`` autocast, alternating (see the module
     docstring); the random generators are as they were before."""
-    precisions = {"float32": contextlib.nullcontext, "low": lambda: torch.autocast("cpu", dtype=dtype)}
-    times: dict[str, list[float]] = {"float32": [], "low": []}
     rng = get_rng_state()
     # A storage of its own: a model that logs (get_event_storage) works, and logs nothing into the run's.
     with EventStorage():
         try:
-            _run_rounds(probe, precisions, times)
+            timings = time_alternating({"float32": lambda: probe.step(contextlib.nullcontext()),
+                                        "low": lambda: probe.step(torch.autocast("cpu", dtype=dtype))})
         finally:
             set_rng_state(rng)
-    medians = {name: statistics.median(values) for name, values in times.items()}
-    spread = max(statistics.median(abs(t - medians[name]) for t in values) / max(medians[name], 1e-9)
-                 for name, values in times.items())
-    return Measurement(str(dtype).replace("torch.", ""), medians["float32"], medians["low"], len(times["low"]),
-                       spread)
+    spread = max(timing.spread for timing in timings.values())
+    return Measurement(str(dtype).replace("torch.", ""), timings["float32"].median_s, timings["low"].median_s,
+                       timings["low"].rounds, spread)
 
 
-def _run_rounds(probe: SpeedProbe, precisions: dict[str, Callable[[], Any]], times: dict[str, list[float]]) -> None:
-    """One warm-up step per precision, then alternating timed rounds into ``times`` (see the module docstring)."""
-    for autocast in precisions.values():  # warm-up: oneDNN's kernels are created on first use
-        probe.step(autocast())
+@dataclass(frozen=True)
+class Timing:
+    """One step's timed rounds: their median in seconds, how many, and their median absolute deviation over the
+    median (``spread``; a steady machine stays within :data:`MAX_SPREAD`)."""
+
+    median_s: float
+    rounds: int
+    spread: float
+
+
+def time_alternating(steps: dict[str, Callable[[], Any]], budget_s: float = BUDGET_S) -> dict[str, Timing]:
+    """Each of ``steps`` timed: one warm-up call each (oneDNN and the runtimes create their kernels on first use),
+    then rounds that call every step once in turn, at least :data:`MIN_ROUNDS` and until ``budget_s`` seconds are
+    spent (at most :data:`MAX_ROUNDS`), so that a machine's drift falls on all of them alike."""
+    for step in steps.values():
+        step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
     start = time.perf_counter()
     rounds = 0
-    while rounds < MIN_ROUNDS or (rounds < MAX_ROUNDS and time.perf_counter() - start < BUDGET_S):
-        for name, autocast in precisions.items():
+    while rounds < MIN_ROUNDS or (rounds < MAX_ROUNDS and time.perf_counter() - start < budget_s):
+        for name, step in steps.items():
             begin = time.perf_counter()
-            probe.step(autocast())
+            step()
             times[name].append(time.perf_counter() - begin)
         rounds += 1
+    timings = {}
+    for name, values in times.items():
+        median = statistics.median(values)
+        spread = statistics.median(abs(t - median) for t in values) / max(median, 1e-9)
+        timings[name] = Timing(median, len(values), spread)
+    return timings
 
 
 def model_probe(model: torch.nn.Module, batch: Any, *, training: bool) -> SpeedProbe:

@@ -7,8 +7,8 @@ on ``DEVICE``, wrapped in :class:`pet.modeling.test_time_augmentation.DetectorWi
 export of tools/export.py (``path``, else ``CKPT/model.onnx``) in onnxruntime, and "openvino": its OpenVINO IR
 (``path``, else ``CKPT/model.xml``; tools/export.py --openvino) or the ONNX file in OpenVINO, both with the threads
 PyTorch would use (no test-time augmentation; the runtimes are :data:`pet.deploy.backend.EXPORT_RUNTIMES`).
-``--backend auto`` is decided before, by :func:`pet.deploy.backend.resolve_backend`, which names pytorch or
-onnxruntime.
+``--backend auto`` is decided before, by :func:`pet.deploy.backend.resolve_backend`, which names a backend and the
+file it runs.
 """
 from __future__ import annotations
 

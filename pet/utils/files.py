@@ -33,6 +33,7 @@ __all__ = [
     "write_json_atomic",
     "write_failure_remedy",
     "file_sha256",
+    "file_lock",
 ]
 
 # Exactly the names temporary_path() makes without keep_extension; "notes.tmp" or "x.tmp.json" never match.
@@ -129,3 +130,21 @@ def _remove(path: str) -> None:
         shutil.rmtree(path)
     elif os.path.lexists(path):
         os.remove(path)
+
+
+@contextlib.contextmanager
+def file_lock(path: str) -> Iterator[None]:
+    """Hold an exclusive lock on the file ``path`` (created if missing) for the block: one process at a time, e.g.
+    one writes a shared set or measures while the others wait and then read what it wrote. POSIX only; elsewhere
+    the block runs unlocked."""
+    try:
+        import fcntl  # POSIX only
+    except ImportError:  # not POSIX: no cross-process lock (callers keep their files whole by renames)
+        yield
+        return
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

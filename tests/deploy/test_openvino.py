@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from pet.config import load_cfg
-from pet.deploy.backend import WEIGHTS_SHA256_KEY
+from pet.deploy.backend import FLOAT_SHA256_KEY, WEIGHTS_SHA256_KEY
 from pet.deploy.onnx import export_onnx
 from pet.deploy.openvino_model import OpenVinoModel, openvino_path, save_openvino
 from pet.deploy.parity import check_parity, parity_batches
@@ -171,7 +171,8 @@ def _ir_files(folder) -> list[str]:
 
 def test_tools_export_writes_the_ir_beside_the_onnx_file_after_its_gate(exports, tmp_path, monkeypatch, capsys):
     """--check-only --openvino on an export: both gates pass, and model.xml + model.bin appear beside model.onnx,
-    carrying the export's record of its weights and label space (what --backend openvino and predict read)."""
+    carrying the export's record of its weights and label space (what --backend openvino and predict read) and of
+    the export it was made from (what --backend auto checks)."""
     export = exports["faster_rcnn"]
     output = tmp_path / "model.onnx"
     shutil.copyfile(export.onnx_file, output)
@@ -182,6 +183,7 @@ def test_tools_export_writes_the_ir_beside_the_onnx_file_after_its_gate(exports,
                                                                                                    "model.xml")
     ir = OpenVinoModel(str(tmp_path / "model.xml"))
     assert ir.metadata[WEIGHTS_SHA256_KEY] == file_sha256(export.weights)
+    assert ir.metadata[FLOAT_SHA256_KEY] == file_sha256(str(output))  # --backend auto: made from this very export
     assert [entry["name"] for entry in json.loads(ir.metadata[ONNX_METADATA_KEY])] == SHAPES
 
 

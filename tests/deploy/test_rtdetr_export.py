@@ -21,7 +21,7 @@ import torch
 
 from pet.config import load_cfg
 from pet.data import DatasetMapper, collate_batch
-from pet.deploy.int8 import Quantizer
+from pet.deploy.int8 import OnnxRuntimeQuantizer
 from pet.deploy.onnx import ExportError, export_onnx
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel
 from pet.deploy.parity import ParityError, check_parity, parity_batches
@@ -137,6 +137,6 @@ def test_test_net_onnxruntime_gives_the_pytorch_ap(export, tmp_path):
 def test_int8_pre_processing_takes_the_export_and_finds_the_parts_inside_module_lists(export, tmp_path):
     """onnxruntime's symbolic shape inference fails on this graph (the quantizer pre-processes without it), and the
     backbone stages, encoder blocks and decoder layers, elements of ModuleLists, are parts that can run int8."""
-    parts = Quantizer(export.onnx_file, str(tmp_path), [], reduce_range=False).parts
+    parts = OnnxRuntimeQuantizer(export.onnx_file, str(tmp_path), [], reduce_range=False).parts
     assert {"backbone.stem", "backbone.stages", "encoder.aifi", "encoder.fpn_blocks", "decoder.layers"} <= set(parts)
     assert all(parts.values())  # each part's nodes are still there after the pre-processing

@@ -134,3 +134,12 @@ def test_the_coco_librarys_old_resolver_name_warns_and_resolves_the_same():
 
     with pytest.warns(DeprecationWarning, match=r"resolve_coco_library.*Pet 0\.4\.0"):
         assert backends.resolve_backend("pycocotools") == backends.resolve_coco_library("pycocotools")
+
+
+def test_onnxruntimes_quantizers_old_name_warns_and_gives_the_renamed_class():
+    """``pet.deploy.int8.Quantizer`` was onnxruntime's quantizer until OpenVINO's joined it."""
+    pytest.importorskip("onnxruntime.quantization", reason='the export extra is not installed')
+    from pet.deploy import int8
+
+    with pytest.warns(DeprecationWarning, match=r"OnnxRuntimeQuantizer.*Pet 0\.4\.0"):
+        assert int8.Quantizer is int8.OnnxRuntimeQuantizer
