@@ -24,6 +24,9 @@ _OPTIONAL = {
     # --int8); 3.4 quantizes OpenVINO 2026.4's models and takes an ignored scope by operation names, which keeps
     # the parts Pet leaves in float32 out of it.
     "openvino": ["openvino>=2026.4", "nncf>=3.4"],
+    # safetensors: the Hugging Face hub's weights format (model.safetensors, tensors only, nothing to unpickle), in
+    # which transformers' RT-DETR and D-FINE checkpoints ship; TEST.WEIGHTS may name such a file or its directory.
+    "hub": ["safetensors>=0.4"],
 }
 _EXTRAS = {
     **_OPTIONAL,

@@ -3,7 +3,8 @@
 :func:`load_checkpoint` reads any ``.pth`` file (a resume, initial weights, a test) with
 ``torch.load(weights_only=True)`` unless ``unsafe``: a file that holds pickled objects
 other than tensors and plain containers, which could run code while loading, is refused
-with a message that names it and the ``--unsafe-load`` opt-in.
+with a message that names it and the ``--unsafe-load`` opt-in. It also reads the Hugging Face hub's
+``model.safetensors`` (or a model directory holding it), which transformers' detectors ship as.
 
 :func:`load_weights` loads initial weights into a model (not a resume). It accepts a Pet
 checkpoint (a dict with ``"model"``) or a plain ``state_dict``. A model translates foreign names
@@ -44,12 +45,28 @@ logger = logging.getLogger(__name__)
 _IGNORED_SUFFIXES = ("num_batches_tracked",)
 
 
+# What a Hugging Face model directory holds its weights in, preferred first.
+HUB_WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
 def load_checkpoint(path: str, *, unsafe: bool = False) -> Any:
-    """``torch.load(path)`` on the CPU, ``weights_only=True`` unless ``unsafe``; errors say what to do."""
+    """``torch.load(path)`` on the CPU, ``weights_only=True`` unless ``unsafe``; errors say what to do.
+
+    A ``.safetensors`` file (the Hugging Face hub's format: tensors only, nothing to unpickle) is read with
+    safetensors, and a directory as the hub lays one out, through its ``model.safetensors`` (or
+    ``pytorch_model.bin``)."""
+    if os.path.isdir(path):
+        found = [os.path.join(path, name) for name in HUB_WEIGHTS_FILES if os.path.isfile(os.path.join(path, name))]
+        if not found:
+            raise ConfigError(f"{path} is a directory without weights: expected one of {', '.join(HUB_WEIGHTS_FILES)} "
+                              "in it (a Hugging Face model directory), or point at a weights file")
+        path = found[0]
     if not os.path.isfile(path):
         raise ConfigError(
             f"Weights file not found: {path} (train first, or point TEST.WEIGHTS / TRAIN.WEIGHTS at a file)"
         )
+    if path.endswith(".safetensors"):
+        return _load_safetensors(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=not unsafe)
     except pickle.UnpicklingError as exc:
@@ -64,6 +81,21 @@ def load_checkpoint(path: str, *, unsafe: bool = False) -> Any:
         raise _unreadable(path, exc) from exc
     except Exception as exc:  # noqa: BLE001 - torch raises many types for unreadable files
         raise _unreadable(path, exc) from exc
+
+
+def _load_safetensors(path: str) -> dict[str, Any]:
+    """A safetensors file's tensors, as a ``state_dict``."""
+    try:
+        from safetensors import SafetensorError  # optional: only hub-format weights need it (the hub extra)
+        from safetensors.torch import load_file  # optional, as above
+    except ImportError as exc:
+        raise ConfigError(f"Reading {path} needs safetensors: pip install safetensors "
+                          "(or pip install -e \".[hub]\")") from exc
+    try:
+        return load_file(path, device="cpu")
+    except SafetensorError as exc:
+        raise ConfigError(f"Cannot load {path}: {exc} (not a safetensors file, or a truncated one: download it "
+                          "again)") from exc
 
 
 def _unreadable(path: str, exc: BaseException) -> ConfigError:

@@ -400,3 +400,26 @@ def test_a_checkpoint_this_config_cannot_resume_is_one_config_error_and_keeps_th
                             "is the config it was trained with).")
     assert "\n" not in message
     assert open(config_yaml).read() == trained_with
+
+
+def test_hub_format_weights_load_from_the_safetensors_file_or_its_directory(tmp_path):
+    """The Hugging Face hub's layout: ``model.safetensors`` read with safetensors (nothing unpickled), the directory
+    holding it read through it; a directory without weights, and a file that is no safetensors, are one line."""
+    from safetensors.torch import save_file  # an extra (hub) that the test extra installs
+
+    weights = {k: torch.randn_like(v) for k, v in ToyModel().state_dict().items()}
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    for path in (tmp_path / "model.safetensors", tmp_path):
+        model = ToyModel()
+        assert load_weights(model, str(path)) == {"missing": [], "unexpected": [], "mismatched": []}
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match=f"^{empty} is a directory without weights: expected one of "
+                                          "model.safetensors, pytorch_model.bin"):
+        load_checkpoint(str(empty))
+    broken = tmp_path / "broken" / "model.safetensors"
+    broken.parent.mkdir()
+    broken.write_bytes(b"<!DOCTYPE html>\n<html></html>\n")
+    with pytest.raises(ConfigError, match=f"^Cannot load {broken}: .*not a safetensors file"):
+        load_checkpoint(str(broken.parent))

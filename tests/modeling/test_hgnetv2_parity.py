@@ -34,28 +34,12 @@ from pet.modeling.hgnetv2 import (
     load_transformers_hgnetv2,
 )
 from pet.utils.errors import ConfigError
+from support.transformers_detr import hgnetv2_config
 
 transformers = pytest.importorskip("transformers")
 
 HEIGHT, WIDTH = 64, 96
 RELATIVE_TOLERANCE = 1e-10  # max |Pet - reference| / max |reference|, per feature map, float64
-
-
-def reference_config(variant: str, use_lab: bool | None = None) -> transformers.HGNetV2Config:
-    """transformers' config for a variant of Pet's table, every stage returned (``out_indices`` 1-4; 0 is the stem).
-    "default" is ``HGNetV2Config()`` unchanged but for ``out_indices``."""
-    if variant == "default":
-        return transformers.HGNetV2Config(out_indices=[1, 2, 3, 4])
-    spec = HGNETV2_VARIANTS[variant]
-    stages = spec.stages
-    return transformers.HGNetV2Config(
-        stem_channels=[3, *spec.stem_channels],
-        stage_in_channels=[s.in_channels for s in stages], stage_mid_channels=[s.mid_channels for s in stages],
-        stage_out_channels=[s.out_channels for s in stages], stage_num_blocks=[s.num_blocks for s in stages],
-        stage_downsample=[s.downsample for s in stages], stage_light_block=[s.light_block for s in stages],
-        stage_kernel_size=[s.kernel_size for s in stages], stage_numb_of_layers=[s.num_layers for s in stages],
-        hidden_sizes=[s.out_channels for s in stages], depths=[s.num_blocks for s in stages],
-        use_learnable_affine_block=spec.use_lab if use_lab is None else use_lab, out_indices=[1, 2, 3, 4])
 
 
 def randomize(model: torch.nn.Module, seed: int) -> int:
@@ -87,7 +71,7 @@ def randomize(model: torch.nn.Module, seed: int) -> int:
 def reference_and_pet(variant: str, *, seed: int = 0, frozen_bn_eps: float | None = None
                       ) -> tuple[torch.nn.Module, HGNetV2]:
     """The randomized reference and Pet's module loaded from its ``state_dict``, both float64 and in eval mode."""
-    config = reference_config(variant)
+    config = hgnetv2_config(variant)
     reference = transformers.HGNetV2Backbone(config)
     affine = randomize(reference, seed)
     assert (affine > 0) == config.use_learnable_affine_block
@@ -183,7 +167,7 @@ class TestStrictMapping:
     @pytest.fixture(scope="class")
     def state(self):
         torch.manual_seed(0)
-        return transformers.HGNetV2Backbone(reference_config("B0")).state_dict()
+        return transformers.HGNetV2Backbone(hgnetv2_config("B0")).state_dict()
 
     def test_every_key_maps_and_fills_the_model(self, state):
         renamed = hgnetv2_state_dict_from_transformers(state)

@@ -21,6 +21,7 @@ from pet.modeling import build_model
 from pet.modeling.rtdetr.weights import convert_transformers_state_dict
 from support.against_reference import Tolerance, match_detections
 from support.helpers import CFGS
+from support.transformers_detr import randomised
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.numeric
@@ -57,21 +58,6 @@ def pet_config(reference, *opts: str):
         "MODEL.RTDETR.NUM_DENOISING", str(reference.num_denoising),
         "MODEL.RTDETR.NUM_QUERIES", str(reference.num_queries),
         "MODEL.RTDETR.DETECTIONS_PER_IMAGE", str(reference.num_queries), *opts])
-
-
-def randomised(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Every parameter and BatchNorm statistic perturbed: the reference initialises some layers to zeros
-    (box heads' last layers, sampling offsets' weights), which would hide a wrongly mapped or wired layer."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            if not tensor.is_floating_point():
-                continue
-            if name.endswith("running_var"):
-                tensor.uniform_(0.5, 1.5, generator=generator)
-            else:
-                tensor.add_(torch.randn(tensor.shape, generator=generator) * 0.02)
-    return model
 
 
 @pytest.fixture(scope="module", params=["R18", "R50"])

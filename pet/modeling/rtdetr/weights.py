@@ -1,9 +1,10 @@
 """transformers' RT-DETR ``state_dict`` names -> Pet's: the one table, and the loader that applies it.
 
-``RTDetrForObjectDetection.state_dict()`` (and the hub's ``PekingU/rtdetr_*`` checkpoints, once read into a
-dict of tensors) load into :class:`pet.modeling.rtdetr.RTDETR` through :func:`convert_transformers_state_dict`,
-which ``pet.checkpoint.load_weights`` calls through ``RTDETR.convert_state_dict`` whenever the file holds
-transformers' names. Each rule is a regular expression on the full key, applied in order, first match wins:
+``RTDetrForObjectDetection.state_dict()`` and the hub's ``PekingU/rtdetr_*`` checkpoints (``model.safetensors``, which
+names a few tensors as transformers' files do, :data:`FILE_TO_MODULE_NAMES`) load into
+:class:`pet.modeling.rtdetr.RTDETR` through :func:`convert_transformers_state_dict`, which
+``pet.checkpoint.load_weights`` calls through ``RTDETR.convert_state_dict`` whenever the file holds transformers'
+names. Each rule is a regular expression on the full key, applied in order, first match wins:
 
 =============================================================  ==============================================
 transformers                                                   Pet
@@ -37,7 +38,8 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["TRANSFORMERS_TO_PET", "convert_transformers_state_dict", "is_transformers_state_dict"]
+__all__ = ["TRANSFORMERS_TO_PET", "FILE_TO_MODULE_NAMES", "convert_transformers_state_dict",
+           "is_transformers_state_dict", "module_names"]
 
 _BACKBONE = r"model\.backbone\.model\."
 _STAGE = _BACKBONE + r"encoder\.stages\.(\d+)\.layers\.(\d+)\."
@@ -75,6 +77,25 @@ TRANSFORMERS_TO_PET: list[tuple[str, str]] = [
     (r"model\.decoder\.query_pos_head\.", r"decoder.query_pos_head."),
 ]
 _RULES = [(re.compile(pattern), replacement) for pattern, replacement in TRANSFORMERS_TO_PET]
+# The names in transformers' files (the hub's model.safetensors, save_pretrained) -> its modules' names, which the
+# table above takes: transformers renames these as it loads (its conversion_mapping.py, "rt_detr").
+FILE_TO_MODULE_NAMES: list[tuple[str, str]] = [
+    (r"\.out_proj\.", ".o_proj."),
+    (r"\.layers\.(\d+)\.fc1\.", r".layers.\1.mlp.fc1."),
+    (r"\.layers\.(\d+)\.fc2\.", r".layers.\1.mlp.fc2."),
+    (r"^model\.encoder\.encoder\.(\d+)\.layers\.", r"model.encoder.aifi.\1.layers."),
+]
+
+
+def module_names(state: Mapping[str, torch.Tensor], renames: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
+    """``state`` with each key's every match of each ``(pattern, replacement)`` of ``renames`` replaced, in order."""
+    rules = [(re.compile(pattern), replacement) for pattern, replacement in renames]
+    out = {}
+    for key, value in state.items():
+        for pattern, replacement in rules:
+            key = pattern.sub(replacement, key)
+        out[key] = value
+    return out
 
 
 def is_transformers_state_dict(state: Mapping[str, torch.Tensor]) -> bool:
@@ -83,10 +104,11 @@ def is_transformers_state_dict(state: Mapping[str, torch.Tensor]) -> bool:
 
 
 def convert_transformers_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` with every key renamed by :data:`TRANSFORMERS_TO_PET`; keys no rule matches are kept as they are
-    (the loader then reports them as unexpected, naming them)."""
+    """``state`` (a model's ``state_dict()`` or a file's, :data:`FILE_TO_MODULE_NAMES`) with every key renamed by
+    :data:`TRANSFORMERS_TO_PET`; keys no rule matches are kept as they are (the loader then reports them as
+    unexpected, naming them)."""
     out = {}
-    for key, value in state.items():
+    for key, value in module_names(state, FILE_TO_MODULE_NAMES).items():
         for pattern, replacement in _RULES:
             match = pattern.match(key)
             if match:
