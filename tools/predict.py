@@ -25,7 +25,7 @@ from pet.deploy.backend import BackendChoice, resolve_backend
 from pet.deploy.exported_model import ExportedModel
 from pet.predict import PREDICT_DEFAULTS, PredictionWriter, Predictor, PredictStats, Source
 from pet.predict.labels import model_keypoint_meta
-from pet.predict.loading import BACKENDS
+from pet.predict.loading import add_backend_arguments, backend_opts
 from pet.predict.predictor import model_score_thresh
 from pet.predict.sources import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 from pet.predict.tiling import MERGES
@@ -63,24 +63,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vid-stride", type=int, default=1, metavar="N", help="predict every N-th video frame")
     parser.add_argument("--ann", default="", metavar="COCO_JSON",
                         help="take predictions.json's image ids from this COCO file, by file name")
-    parser.add_argument("--backend", choices=(*BACKENDS, "auto"), default="pytorch",
-                        help="run the PyTorch model, an ONNX export of it in onnxruntime or OpenVINO (needs "
-                             "--model), or the fastest of PyTorch and the exports in CKPT, measured on this "
-                             "machine (auto)")
-    parser.add_argument("--model", default="", metavar="FILE",
-                        help="the exported file for --backend onnxruntime (ONNX) or openvino (its .xml IR, or ONNX)")
+    add_backend_arguments(parser)
     return parser.parse_args()
 
 
 def config_opts(args: argparse.Namespace, backend: str, choice: BackendChoice | None = None) -> list[str]:
     """The command line's config overrides, after predict's own defaults (skip unreadable pictures), and the
     precision of ``--backend auto``'s ``choice``."""
-    opts = [*PREDICT_DEFAULTS, *args.opts]
-    if choice:
-        opts += choice.opts
-    elif backend != "pytorch":
-        opts += ["TEST.AMP.ENABLED", "False"]  # an export computes in float32; the log then says so too
-    return opts
+    return backend_opts([*PREDICT_DEFAULTS, *args.opts], backend, choice)
 
 
 def check_export_threshold(cfg, cfg_file: str, model: ExportedModel, threshold: float | None) -> None:

@@ -19,7 +19,7 @@ from pet.engine.inference import evaluate_on_datasets, inference_precision
 from pet.engine.metrics import flatten_metrics
 from pet.evaluation import VisualizationHook, evaluate_results_file
 from pet.evaluation.coco import write_json_atomic
-from pet.predict.loading import BACKENDS, load_inference_model
+from pet.predict.loading import add_backend_arguments, backend_opts, load_inference_model
 from pet.utils import comm
 from pet.utils.errors import ConfigError
 
@@ -56,22 +56,11 @@ def main() -> None:
                         help="score a saved COCO results file (e.g. CKPT/test/bbox.json) without running the model")
     parser.add_argument("--vis", type=int, default=0, metavar="N",
                         help="draw detections over ground truth on the first N test images into CKPT/test/vis/")
-    parser.add_argument("--backend", choices=(*BACKENDS, "auto"), default="pytorch",
-                        help="run the PyTorch model, an ONNX export of it in onnxruntime or OpenVINO (needs "
-                             "--model), or the fastest of PyTorch and the exports in CKPT, measured on this "
-                             "machine (auto)")
-    parser.add_argument("--model", default="", metavar="FILE",
-                        help="the exported file for --backend onnxruntime (ONNX) or openvino (its .xml IR, or ONNX)")
+    add_backend_arguments(parser)
     args = parser.parse_args()
     choice = resolve_backend(args.cfg_file, args.opts, args.backend, args.model)
     backend, model_file = (choice.backend, choice.model) if choice else (args.backend, args.model)
-    # An export computes in float32 (int8 for an int8 export) whatever TEST.AMP says; the log then says so too.
-    # auto's choice says the precision it measured.
-    if choice:
-        opts = [*args.opts, *choice.opts]
-    else:
-        opts = [*args.opts, "TEST.AMP.ENABLED", "False"] if backend != "pytorch" else args.opts
-    cfg = default_setup(args.cfg_file, opts, args.local_rank)
+    cfg = default_setup(args.cfg_file, backend_opts(args.opts, backend, choice), args.local_rank)
     if choice:
         logger.info(f"--backend auto: {choice}")
     output_dir = os.path.join(cfg.CKPT, "test")

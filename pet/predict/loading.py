@@ -12,6 +12,7 @@ file it runs.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from dataclasses import dataclass
@@ -22,16 +23,34 @@ from fvcore.common.config import CfgNode
 
 from pet.checkpoint import load_checkpoint
 from pet.config import default_weights
-from pet.deploy.backend import EXPORT_RUNTIMES
+from pet.deploy.backend import EXPORT_RUNTIMES, BackendChoice
 from pet.engine.build import build_test_model
 from pet.modeling.test_time_augmentation import DetectorWithTTA
 from pet.predict.labels import ONNX_METADATA_KEY, label_space_from_checkpoint, model_keypoint_meta
 from pet.utils.errors import ConfigError
 
-__all__ = ["BACKENDS", "InferenceModel", "load_inference_model"]
+__all__ = ["BACKENDS", "InferenceModel", "load_inference_model", "add_backend_arguments", "backend_opts"]
 
 # What runs a detector at inference: PyTorch, or a runtime of the exports.
 BACKENDS = ("pytorch", *EXPORT_RUNTIMES)
+
+
+def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
+    """test_net's and predict's ``--backend`` and ``--model``, one definition for both tools."""
+    parser.add_argument("--backend", choices=(*BACKENDS, "auto"), default="pytorch",
+                        help="run the PyTorch model, an ONNX export of it in onnxruntime or OpenVINO (needs "
+                             "--model), or the fastest of PyTorch and the exports in CKPT, measured on this "
+                             "machine (auto)")
+    parser.add_argument("--model", default="", metavar="FILE",
+                        help="the exported file for --backend onnxruntime (ONNX) or openvino (its .xml IR, or ONNX)")
+
+
+def backend_opts(opts: list[str], backend: str, choice: BackendChoice | None) -> list[str]:
+    """``opts`` and the precision the backend computes in: ``--backend auto``'s ``choice`` says the one it measured;
+    an export computes in float32 (int8 for an int8 export) whatever TEST.AMP says, and the log then says so too."""
+    if choice:
+        return [*opts, *choice.opts]
+    return [*opts, "TEST.AMP.ENABLED", "False"] if backend != "pytorch" else list(opts)
 
 
 @dataclass
