@@ -21,8 +21,9 @@
     python tools/benchmark.py tiles   [--mosaic 192] [--scenes 3] [--tile 256] [--tile-overlap 0.25] [--batch 8]
                                       [--max-det 5000] [--sahi [--sahi-conf 0.3]] [--out FILE]
     python tools/benchmark.py resume-skip [--iters 10 90000 900000] [--world-size 2] [--repeats 3] [--out FILE]
-    python tools/benchmark.py rtdetr [--size 640] [--batch 2] [--precision float32 bfloat16] [--threads N]
-                                     [--memory-format channels_last] [--iters 1] [--repeats 3] [--out FILE]
+    python tools/benchmark.py rtdetr [--model rtdetr-r18|dfine-l] [--size 640] [--batch 2]
+                                     [--precision float32 bfloat16] [--threads N] [--memory-format channels_last]
+                                     [--iters 1] [--repeats 3] [--out FILE]
     python tools/benchmark.py roofline [--cfg FILE ...] [--opts KEY VALUE ...] [--mode train infer]
                                        [--precision auto|float32|bfloat16] [--threads N] [--steps 3] [--layers 15]
                                        [--out FILE]
@@ -51,7 +52,7 @@ uncut pictures (a mosaic of demo pictures, generated scenes) and against SAHI's 
 model with every merge setting (--sahi, with sahi importable) (tools/benchmarks/tiles.py).
 resume-skip: the wait for the first batch after resuming at iteration n, Pet's skip by pass arithmetic against the
 item-by-item skip (tools/benchmarks/resume_skip.py).
-rtdetr: Pet's RT-DETR R18 against transformers' RTDetrForObjectDetection with the same weights and pixels, inference
+rtdetr: Pet's RT-DETR R18 (or D-FINE-L) against transformers' with the same weights and pixels, inference
 and a training step in float32 and bfloat16 autocast (tools/benchmarks/rtdetr.py; needs transformers, Pet's test
 extra).
 roofline: this CPU's peak GFLOP/s (a 2048^3 matmul, a 3x3 64->64 convolution; float32 and native bfloat16), and

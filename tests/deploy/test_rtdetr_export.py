@@ -3,6 +3,8 @@ dynamic batch and sides that are multiples of 32, onnxruntime gives the PyTorch 
 rejects a perturbed graph, a side that is not a multiple of 32 is refused saying what to do, test_net's onnxruntime
 backend gives PyTorch's AP, and the int8 pre-processing takes the export and finds its parts.
 
+D-FINE, whose graph is RT-DETR's (the family's export graph), passes the same gate and the same onnxruntime parity.
+
 The model is tests/modeling/test_rtdetr.py's tiny one with random weights (the box heads' last layers too: they start at
 zero) and its score threshold at the median score of the gate's first batch, so that the graph's threshold drops
 some of the top-k. It is exported once for the module, through tools/export.py in this process (most of its ~35 s
@@ -28,11 +30,12 @@ from pet.deploy.parity import ParityError, check_parity, parity_batches
 from pet.modeling import build_model
 from pet.utils.errors import PetError
 from support.helpers import custom_datasets, run_tool_captured
-from support.tiny_models import RTDETR_SHAPES_CFG, TINY_RTDETR, shapes_val_batch
+from support.tiny_models import RTDETR_SHAPES_CFG, TINY_QUERY_DETECTORS, shapes_val_batch
 
 
 @dataclass
 class Export:
+    cfg_file: str
     opts: list[str]
     weights: str
     model: torch.nn.Module
@@ -42,29 +45,42 @@ class Export:
     returncode: int
 
 
-@pytest.fixture(scope="module")
-def export(tmp_path_factory, shapes_root) -> Export:
-    """The tiny RT-DETR, random weights, exported by tools/export.py."""
-    root = tmp_path_factory.mktemp("rtdetr_export")
-    opts = [*TINY_RTDETR, "CKPT", str(root / "ckpt"), "TEST.DATASETS", "('rtdetr_val',)",
+def _export(root, shapes_root, family: str) -> Export:
+    """A tiny detector of the family, random weights, exported by tools/export.py."""
+    tiny = TINY_QUERY_DETECTORS[family]
+    opts = [*tiny.opts, "CKPT", str(root / "ckpt"), "TEST.DATASETS", "('rtdetr_val',)",
             "DATA.CUSTOM", custom_datasets(("rtdetr_val", f"{shapes_root}/annotations/val.json", f"{shapes_root}/val"))]
     torch.manual_seed(0)
-    model = build_model(load_cfg(RTDETR_SHAPES_CFG, opts)).eval()
+    model = build_model(load_cfg(tiny.cfg_file, opts)).eval()
     with torch.no_grad():
         for head in model.decoder.box_heads:  # initialised to zero: the decoder would refine no box
             head.layers[-1].weight.normal_(0, 0.1)
             head.layers[-1].bias.normal_(0, 0.1)
-        scores = torch.cat([d["scores"] for d in model(*parity_batches(load_cfg(RTDETR_SHAPES_CFG, opts))[0])])
-    opts += ["MODEL.RTDETR.SCORE_THRESH_TEST", f"{scores.median().item():.6f}"]
+        scores = torch.cat([d["scores"] for d in model(*parity_batches(load_cfg(tiny.cfg_file, opts))[0])])
+    opts += [f"MODEL.{tiny.node}.SCORE_THRESH_TEST", f"{scores.median().item():.6f}"]
     model.score_thresh = float(opts[-1])
-    weights, onnx_file = str(root / "rtdetr.pth"), str(root / "rtdetr.onnx")
+    weights, onnx_file = str(root / f"{family}.pth"), str(root / f"{family}.onnx")
     torch.save(model.state_dict(), weights)
-    run = run_tool_captured("export.py", "--cfg", RTDETR_SHAPES_CFG, "--weights", weights, "--output", onnx_file, *opts)
-    return Export(opts, weights, model, onnx_file, run.stdout, run.stderr, run.returncode)
+    run = run_tool_captured("export.py", "--cfg", tiny.cfg_file, "--weights", weights, "--output", onnx_file, *opts)
+    return Export(tiny.cfg_file, opts, weights, model, onnx_file, run.stdout, run.stderr, run.returncode)
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory, shapes_root) -> Export:
+    """The tiny RT-DETR, exported."""
+    return _export(tmp_path_factory.mktemp("rtdetr_export"), shapes_root, "rtdetr")
+
+
+@pytest.fixture(scope="module")
+def dfine_export(tmp_path_factory, shapes_root) -> Export:
+    """The tiny D-FINE, exported."""
+    return _export(tmp_path_factory.mktemp("dfine_export"), shapes_root, "dfine")
 
 
 @pytest.mark.slow
-def test_tools_export_writes_a_graph_with_grid_sample_no_nms_and_dynamic_sides_in_32s(export):
+@pytest.mark.parametrize("exported", ["export", "dfine_export"])
+def test_tools_export_writes_a_graph_with_grid_sample_no_nms_and_dynamic_sides_in_32s(exported, request):
+    export = request.getfixturevalue(exported)
     assert export.returncode == 0, f"{export.stdout[-2000:]}\n{export.stderr[-3000:]}"
     assert "Parity gate passed: 5 images" in export.stdout
     graph = onnx.load(export.onnx_file)
@@ -82,8 +98,10 @@ def test_tools_export_writes_a_graph_with_grid_sample_no_nms_and_dynamic_sides_i
 
 @pytest.mark.slow
 @pytest.mark.numeric
-def test_onnxruntime_gives_the_pytorch_detections_at_two_sizes_in_batches_of_two(export, shapes_root):
-    cfg = load_cfg(RTDETR_SHAPES_CFG, export.opts)
+@pytest.mark.parametrize("exported", ["export", "dfine_export"])
+def test_onnxruntime_gives_the_pytorch_detections_at_two_sizes_in_batches_of_two(exported, request, shapes_root):
+    export = request.getfixturevalue(exported)
+    cfg = load_cfg(export.cfg_file, export.opts)
     batches = [shapes_val_batch(cfg, shapes_root, [2, 3]), shapes_val_batch(cfg, shapes_root, [4, 5], scale=0.7)]
     assert batches[0][0].shape[-2:] != batches[1][0].shape[-2:]
     report = check_parity(export.model, OnnxRuntimeModel(export.onnx_file), batches)

@@ -1,4 +1,5 @@
-"""RT-DETR in two real processes (gloo on CPU): 2 processes x 1 image end with the weights of 1 process x 2 images.
+"""RT-DETR and D-FINE in two real processes (gloo on CPU): 2 processes x 1 image end with the weights of 1 process x 2
+images.
 
 What makes it hold: each process matches its own images (the Hungarian matching is per image, as in DETR and
 transformers' ``RTDetrLoss``), and the loss normaliser ``num_boxes`` is the objects of the whole batch averaged over
@@ -19,7 +20,7 @@ from pet.engine.trainer import Trainer
 from pet.modeling import build_model
 from support.helpers import detector_batch
 from support.processes import run_two_ranks
-from support.tiny_models import tiny_rtdetr_cfg
+from support.tiny_models import TINY_QUERY_DETECTORS
 
 pytestmark = pytest.mark.numeric
 
@@ -44,11 +45,16 @@ def _frozen_bn(module: torch.nn.Module) -> None:
             _frozen_bn(child)
 
 
-def _train(ckpt: str, batches: list) -> dict[str, torch.Tensor]:
+def _cfg(family: str, *opts: str):
+    tiny = TINY_QUERY_DETECTORS[family]
+    return tiny.cfg(f"MODEL.{tiny.node}.NUM_DENOISING", "0", *opts)
+
+
+def _train(ckpt: str, batches: list, family: str) -> dict[str, torch.Tensor]:
     """ITERATIONS SGD steps (no clipping: it would hide a wrong gradient scale) on ``batches``; the final weights."""
-    cfg = tiny_rtdetr_cfg("CKPT", ckpt, "DEVICE", "cpu", "SOLVER.MAX_ITER", str(ITERATIONS), "SOLVER.WARMUP_ITERS", "0",
-                   "SOLVER.AMP.ENABLED", "False", "SOLVER.CLIP_GRAD_NORM", "0.0", "TRAIN.AUTO_RESUME", "False",
-                   "TRAIN.SAVE_AS_JSON", "False", "MODEL.RTDETR.NUM_DENOISING", "0", "HOOKS.EVAL.PERIOD", "0")
+    cfg = _cfg(family, "CKPT", ckpt, "DEVICE", "cpu", "SOLVER.MAX_ITER", str(ITERATIONS), "SOLVER.WARMUP_ITERS", "0",
+               "SOLVER.AMP.ENABLED", "False", "SOLVER.CLIP_GRAD_NORM", "0.0", "TRAIN.AUTO_RESUME", "False",
+               "TRAIN.SAVE_AS_JSON", "False", "HOOKS.EVAL.PERIOD", "0")
     torch.manual_seed(0)
     model = build_model(cfg)
     _frozen_bn(model)
@@ -56,23 +62,24 @@ def _train(ckpt: str, batches: list) -> dict[str, torch.Tensor]:
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
-def _rank_worker(rank, init_file):
+def _rank_worker(rank, init_file, family):
     torch.set_num_threads(1)
     images, targets = _batch()
-    weights = _train(f"{init_file}.run{rank}", [(images[rank:rank + 1], targets[rank:rank + 1])] * ITERATIONS)
+    weights = _train(f"{init_file}.run{rank}", [(images[rank:rank + 1], targets[rank:rank + 1])] * ITERATIONS, family)
     return rank, {name: value.tolist() for name, value in weights.items()}
 
 
 @pytest.mark.slow
-def test_two_processes_of_one_image_train_as_one_process_of_two(tmp_path):
+@pytest.mark.parametrize("family", TINY_QUERY_DETECTORS)
+def test_two_processes_of_one_image_train_as_one_process_of_two(family, tmp_path):
     """Same weights within 1e-5 (float32; only the order of the sums differs) after 2 iterations."""
     torch.set_num_threads(1)
-    single = _train(str(tmp_path / "single"), [_batch()] * ITERATIONS)
+    single = _train(str(tmp_path / "single"), [_batch()] * ITERATIONS, family)
     torch.manual_seed(0)
-    untrained = build_model(tiny_rtdetr_cfg("MODEL.RTDETR.NUM_DENOISING", "0")).state_dict()
+    untrained = build_model(_cfg(family)).state_dict()
     moved = [name for name, value in single.items() if value.is_floating_point() and name in untrained
              and not torch.equal(value, untrained[name])]
     assert len(moved) > 100  # the steps trained the model
-    for rank, weights in run_two_ranks(_rank_worker, tmp_path / "init", timeout=120):
+    for rank, weights in run_two_ranks(_rank_worker, tmp_path / "init", family, timeout=120):
         worst = max((torch.tensor(weights[name]) - single[name]).abs().max().item() for name in moved)
         assert worst < 1e-5, (rank, worst)

@@ -1,6 +1,7 @@
 """RT-DETR as a Pet detector: it trains (images without objects included), follows the batch contract at test
 time, loads transformers' weights files with readable errors, trains its backbone at BACKBONE_LR_FACTOR, runs
-through train_net / test_net / predict with its stage timers, and the documented extension examples work.
+through train_net / test_net / predict with its stage timers, and the documented extension examples work. D-FINE, of
+the same family, runs through the tools and resumes bit-identically too.
 
 Every model here is tiny (8-channel stem, 16-channel encoder and decoder, 2 decoder layers, 20 queries).
 """
@@ -15,9 +16,10 @@ import torch
 from pet.checkpoint import load_weights
 from pet.engine.optim import build_optimizer
 from pet.modeling import build_model
+from pet.modeling.rtdetr import RTDETR_MATCHER_REGISTRY
 from pet.utils.errors import ConfigError
 from support.helpers import detector_batch, doc_block, run_tool_here, tiny_set_opts
-from support.tiny_models import RTDETR_SHAPES_CFG, TINY_RTDETR, tiny_rtdetr_cfg
+from support.tiny_models import TINY_QUERY_DETECTORS, tiny_rtdetr_cfg
 
 LOSS_NAMES = {f"loss_{term}{suffix}" for term in ("vfl", "bbox", "giou")
               for suffix in ("", "_aux_0", "_aux_1", "_dn_0", "_dn_1")}
@@ -122,13 +124,16 @@ def test_documented_matcher_and_loss_examples_train(tiny_rtdetr):
 
 
 @pytest.mark.slow
-def test_train_and_test_through_the_tools_with_stage_timers(tiny_set, tmp_path, monkeypatch, capsys):
-    """The engine, test_net and COCO evaluation take RT-DETR unchanged; the speed summary has its stages."""
+@pytest.mark.parametrize("family", TINY_QUERY_DETECTORS)
+def test_train_and_test_through_the_tools_with_stage_timers(family, tiny_set, tmp_path, monkeypatch, capsys):
+    """The engine, test_net and COCO evaluation take RT-DETR (and D-FINE) unchanged; the speed summary has its
+    stages."""
     ckpt = str(tmp_path / "run")
-    opts = [*tiny_set_opts(tiny_set, ckpt, max_iter=2, checkpoint_period=2), *TINY_RTDETR,
+    tiny = TINY_QUERY_DETECTORS[family]
+    opts = [*tiny_set_opts(tiny_set, ckpt, max_iter=2, checkpoint_period=2), *tiny.opts,
             "SOLVER.AMP.ENABLED", "False", "TEST.AMP.ENABLED", "False"]
-    assert run_tool_here(monkeypatch, capsys, "train_net.py", "--cfg", RTDETR_SHAPES_CFG, *opts)[0] == 0
-    assert run_tool_here(monkeypatch, capsys, "test_net.py", "--cfg", RTDETR_SHAPES_CFG, *opts)[0] == 0
+    assert run_tool_here(monkeypatch, capsys, "train_net.py", "--cfg", tiny.cfg_file, *opts)[0] == 0
+    assert run_tool_here(monkeypatch, capsys, "test_net.py", "--cfg", tiny.cfg_file, *opts)[0] == 0
     with open(os.path.join(ckpt, "test", "metrics.json")) as f:
         report = json.load(f)
     assert 0 <= report["metrics"]["bbox/AP"] <= 100
@@ -136,20 +141,40 @@ def test_train_and_test_through_the_tools_with_stage_timers(tiny_set, tmp_path, 
 
 
 @pytest.mark.slow
-def test_resume_is_bit_identical_denoising_noise_included(tiny_set, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("family", TINY_QUERY_DETECTORS)
+def test_resume_is_bit_identical_denoising_noise_included(family, tiny_set, tmp_path, monkeypatch, capsys):
     """2 iterations straight, and the same run resumed from its checkpoint after iteration 1, end with the same
     weights: the denoising noise comes from the RNG state the checkpoint restores; the matching is deterministic."""
     ckpt = str(tmp_path / "run")
-    opts = [*tiny_set_opts(tiny_set, ckpt, max_iter=2, checkpoint_period=1), *TINY_RTDETR,
+    tiny = TINY_QUERY_DETECTORS[family]
+    opts = [*tiny_set_opts(tiny_set, ckpt, max_iter=2, checkpoint_period=1), *tiny.opts,
             "SOLVER.AMP.ENABLED", "False", "TRAIN.AUTO_RESUME", "True"]
-    assert run_tool_here(monkeypatch, capsys, "train_net.py", "--cfg", RTDETR_SHAPES_CFG, *opts)[0] == 0
+    assert run_tool_here(monkeypatch, capsys, "train_net.py", "--cfg", tiny.cfg_file, *opts)[0] == 0
     straight = torch.load(os.path.join(ckpt, "model_final.pth"), weights_only=True)["model"]
     os.remove(os.path.join(ckpt, "model_final.pth"))
     with open(os.path.join(ckpt, "last_checkpoint"), "w") as f:
         f.write("model_iter1.pth")
-    assert run_tool_here(monkeypatch, capsys, "train_net.py", "--cfg", RTDETR_SHAPES_CFG, *opts)[0] == 0
+    assert run_tool_here(monkeypatch, capsys, "train_net.py", "--cfg", tiny.cfg_file, *opts)[0] == 0
     with open(os.path.join(ckpt, "log.txt")) as f:
         assert "Starting training from iteration 1 to 2" in f.read()
     resumed = torch.load(os.path.join(ckpt, "model_final.pth"), weights_only=True)["model"]
     assert straight.keys() == resumed.keys()
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_a_one_argument_matcher_of_pet_0_2_still_builds_with_a_warning(caplog):
+    """Matchers are now built as Matcher(cfg, node_name); one written as Matcher(cfg) keeps working until 0.4.0."""
+    namespace: dict = {}
+    exec("from pet.modeling.rtdetr import HungarianMatcher\n"
+         "class OldMatcher(HungarianMatcher):\n"
+         "    def __init__(self, cfg):\n"
+         "        super().__init__(cfg)\n"
+         "        self.built_the_old_way = True\n", namespace)
+    RTDETR_MATCHER_REGISTRY.register(namespace["OldMatcher"])
+    try:
+        with caplog.at_level("WARNING", logger="pet.modeling.rtdetr.matcher"):
+            model = build_model(tiny_rtdetr_cfg("MODEL.RTDETR.MATCHER", "OldMatcher"))
+    finally:
+        RTDETR_MATCHER_REGISTRY._obj_map.pop("OldMatcher")
+    assert model.matcher.built_the_old_way
+    assert "takes (cfg) alone" in caplog.text and "0.4.0" in caplog.text

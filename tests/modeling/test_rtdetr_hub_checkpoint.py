@@ -27,9 +27,8 @@ import torch
 from pet.data import coco_categories
 from pet.predict import Predictor
 from pet.predict.sources import Preparer
-from support.against_reference import Tolerance, match_detections
 from support.helpers import CFGS
-from support.transformers_detr import calibrated, picture
+from support.transformers_detr import COCO_IDS, assert_predictor_gives, calibrated, picture, reference_detections
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.numeric
@@ -40,10 +39,6 @@ SIZES = [(240, 320), (300, 200), (280, 500)]
 # Keeps 20-40 detections of several categories per picture with these weights (the best score is 0.25-0.31, the 100th
 # 0.15-0.16).
 SCORE_THRESH = 0.2
-TOLERANCE = Tolerance(box=0.5, score=1e-4)
-# The 80 COCO 2017 categories among ids 1-90 (the hub models' labels 0-79 in this order): all but these ten.
-UNUSED_COCO_IDS = {12, 26, 29, 30, 45, 66, 68, 69, 71, 83}
-COCO_IDS = [i for i in range(1, 91) if i not in UNUSED_COCO_IDS]
 
 
 def r18_config() -> transformers.RTDetrConfig:
@@ -73,14 +68,7 @@ def checkpoint(tmp_path_factory) -> tuple[str, list[np.ndarray], list[dict[str, 
     inputs = processor(images=[torch.from_numpy(p).permute(2, 0, 1) for p in pictures], return_tensors="pt")
     with torch.no_grad():
         outputs = model(**inputs)
-    found = processor.post_process_object_detection(outputs, threshold=SCORE_THRESH, target_sizes=SIZES)
-    theirs = []
-    for (height, width), detections in zip(SIZES, found):
-        boxes = detections["boxes"].clone()  # Pet clips its boxes to the picture, transformers does not
-        boxes[:, 0::2] = boxes[:, 0::2].clamp(0, width)
-        boxes[:, 1::2] = boxes[:, 1::2].clamp(0, height)
-        labels = torch.tensor([COCO_IDS[int(label)] for label in detections["labels"]], dtype=torch.int64)
-        theirs.append({"boxes": boxes, "scores": detections["scores"], "labels": labels})
+    theirs = reference_detections(outputs, SIZES, SCORE_THRESH)
     return path, pictures, theirs, inputs["pixel_values"]
 
 
@@ -111,13 +99,4 @@ def test_detections_are_transformers_on_the_original_pictures(checkpoint, predic
     """Paired one to one by COCO id, score (1e-4) and box (0.5 px); only a score within 1e-4 of the threshold may
     stay unpaired. Every picture keeps several detections of more than one category."""
     _, pictures, theirs, _ = checkpoint
-    # The Predictor takes pictures as opencv reads them: BGR.
-    ours = predictor.predict_many([np.ascontiguousarray(image[..., ::-1]) for image in pictures])
-    for image, mine, reference in zip(pictures, ours, theirs):
-        assert (mine.height, mine.width) == image.shape[:2]
-        assert 5 <= len(reference["scores"]) <= 100
-        mine_tensors = {"boxes": torch.as_tensor(mine.boxes), "scores": torch.as_tensor(mine.scores),
-                        "labels": torch.as_tensor(mine.labels)}
-        pairs = match_detections(mine_tensors, reference, TOLERANCE, score_thresh=SCORE_THRESH, capped=False)
-        assert len(pairs) >= len(reference["scores"]) - 2
-        assert len(set(reference["labels"].tolist())) >= 2
+    assert_predictor_gives(predictor, pictures, theirs, SCORE_THRESH)

@@ -21,7 +21,14 @@ from pet.modeling import build_model
 from pet.modeling.rtdetr.weights import convert_transformers_state_dict
 from support.against_reference import Tolerance, match_detections
 from support.helpers import CFGS
-from support.transformers_detr import randomised
+from support.transformers_detr import (
+    load_reference_weights,
+    objects,
+    random_images,
+    randomised,
+    reference_labels,
+    training,
+)
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.numeric
@@ -67,16 +74,12 @@ def pair(request):
     reference_cfg = reference_config(request.param)
     reference = randomised(transformers.RTDetrForObjectDetection(reference_cfg), seed=1).eval()
     pet = build_model(pet_config(reference_cfg)).eval()
-    result = pet.load_state_dict(convert_transformers_state_dict(reference.state_dict()), strict=False)
-    # FrozenBN has no num_batches_tracked; nothing else may be missing or left over.
-    assert [k for k in result.missing_keys if not k.endswith("num_batches_tracked")] == []
-    assert result.unexpected_keys == []
+    load_reference_weights(pet, reference)
     return request.param, reference_cfg, reference, pet
 
 
 def images(seed: int = 0, batch: int = 2) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (batch, 3, HEIGHT, WIDTH), dtype=torch.uint8, generator=generator)
+    return random_images(HEIGHT, WIDTH, seed, batch)
 
 
 def pet_targets(batch: int) -> list[dict]:
@@ -115,52 +118,19 @@ def test_same_logits_boxes_and_detections(pair):
         assert len(pairs) >= 295  # a handful at most tie at the 300th score
 
 
-def objects(seed: int) -> list[dict]:
-    """Two images' objects as xyxy pixel boxes and 1-based labels (Pet's targets)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for n in (3, 1):
-        xy = torch.rand(n, 2, generator=g) * torch.tensor([WIDTH * 0.6, HEIGHT * 0.6])
-        wh = (torch.rand(n, 2, generator=g) * 0.3 + 0.1) * torch.tensor([WIDTH, HEIGHT])
-        labels = torch.randint(1, NUM_LABELS + 1, (n,), generator=g)
-        out.append({"boxes": torch.cat([xy, xy + wh], 1), "labels": labels})
-    return out
-
-
-def reference_labels(targets: list[dict]) -> list[dict]:
-    scale = torch.tensor([WIDTH, HEIGHT, WIDTH, HEIGHT], dtype=torch.float32)
-    out = []
-    for t in targets:
-        x0, y0, x1, y1 = (t["boxes"] / scale).unbind(1)
-        cxcywh = torch.stack([(x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0], 1)
-        out.append({"class_labels": t["labels"] - 1, "boxes": cxcywh})
-    return out
-
-
 @pytest.mark.parametrize("denoising", [False, True], ids=["no-denoising", "denoising"])
 def test_same_training_losses(pair, denoising):
     """Every loss term (last layer, auxiliary layers, encoder candidates, denoising groups) equals the reference's.
     Both models train from the same state (their BatchNorm statistics are restored afterwards)."""
     _, reference_cfg, reference, pet = pair
-    default = reference_cfg.num_denoising  # the same object as reference.config
-    reference.config.num_denoising = pet.decoder.denoising.num_denoising = default if denoising else 0
-    reference.train()
-    pet.train()
-    targets = objects(seed=3)
+    targets = objects(3, HEIGHT, WIDTH, NUM_LABELS)
     pixels = images(seed=4)
-    state = {k: v.clone() for k, v in pet.state_dict().items()}
-    reference_state = {k: v.clone() for k, v in reference.state_dict().items()}
-    try:
+    with training(pet, reference, reference_cfg.num_denoising if denoising else 0):
         torch.manual_seed(5)
-        expected = reference(pixel_values=pixels.float() / 255, labels=reference_labels(targets)).loss_dict
+        expected = reference(pixel_values=pixels.float() / 255,
+                             labels=reference_labels(targets, HEIGHT, WIDTH)).loss_dict
         torch.manual_seed(5)
         losses = pet(pixels, [{**t, **p} for t, p in zip(targets, pet_targets(2))])
-    finally:
-        pet.load_state_dict(state)
-        reference.load_state_dict(reference_state)
-        pet.eval()
-        reference.eval()
-        reference.config.num_denoising = pet.decoder.denoising.num_denoising = default
     assert sorted(losses) == sorted(expected)
     assert any("_dn_" in k for k in losses) == denoising
     for name, value in expected.items():

@@ -5,7 +5,9 @@ Tiles: the predictor hands each tile's detections to the merge as the model made
 pixels); RT-DETR makes one prediction per (query, class) and has no NMS, so nothing suppresses anything inside a
 tile before the seam merge, which treats RT-DETR's detections as any detector's.
 
-One tiny RT-DETR (``support.tiny_models.TINY_RTDETR``, random weights, seed 0) for the module, on the session's 6
+D-FINE, of the same family, goes through the same tests.
+
+One tiny model of each (``support.tiny_models.TINY_QUERY_DETECTORS``, random weights, seed 0), on the session's 6
 generated validation images.
 """
 from __future__ import annotations
@@ -27,32 +29,35 @@ from pet.modeling import build_model
 from pet.predict import Predictor, predict_cfg
 from pet.predict.tiling import TileSpec, merge_tiles
 from support.helpers import custom_datasets, detections_of_test_net_and_predict, run_tool_in_process
-from support.tiny_models import RTDETR_SHAPES_CFG, TINY_RTDETR
+from support.tiny_models import TINY_QUERY_DETECTORS
 
 SHAPES = LabelSpace((1, 2, 3), ("circle", "rectangle", "triangle"))
-# TINY_RTDETR's DETECTIONS_PER_IMAGE: the model keeps its 20 best (query, class) pairs, above threshold 0
+# The tiny models' DETECTIONS_PER_IMAGE: the model keeps its 20 best (query, class) pairs, above threshold 0
 PER_PICTURE = 20
 
 
 @dataclass
 class TinyRTDETRRun:
-    opts: list[str]  # TINY_RTDETR, the val set as TEST.DATASETS, CKPT, TEST.WEIGHTS
+    cfg_file: str
+    node: str  # the model's config node, MODEL.<node>
+    opts: list[str]  # the tiny model's, the val set as TEST.DATASETS, CKPT, TEST.WEIGHTS
     val_json: str
     val_dir: str
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, shapes_root) -> TinyRTDETRRun:
-    root = tmp_path_factory.mktemp("rtdetr_predict")
+@pytest.fixture(scope="module", params=list(TINY_QUERY_DETECTORS))
+def tiny_run(request, tmp_path_factory, shapes_root) -> TinyRTDETRRun:
+    tiny = TINY_QUERY_DETECTORS[request.param]
+    root = tmp_path_factory.mktemp(f"{request.param}_predict")
     val_json, val_dir = f"{shapes_root}/annotations/val.json", f"{shapes_root}/val"
     weights = str(root / "tiny.pth")
-    opts = [*TINY_RTDETR, "DEVICE", "cpu", "CKPT", str(root / "ckpt"), "MODEL.FLOPS_INPUT_SIZE", "(64, 64)",
+    opts = [*tiny.opts, "DEVICE", "cpu", "CKPT", str(root / "ckpt"), "MODEL.FLOPS_INPUT_SIZE", "(64, 64)",
             "DATA.CUSTOM", custom_datasets(("rtdetr_val", val_json, val_dir)), "TEST.DATASETS", "('rtdetr_val',)",
             "TEST.DIAGNOSTICS.ENABLED", "False", "TEST.NUM_WARMUP", "1", "TEST.WEIGHTS", weights]
     torch.manual_seed(0)
-    torch.save({"model": build_model(load_cfg(RTDETR_SHAPES_CFG, opts)).state_dict(), "label_space": SHAPES.to_list()},
+    torch.save({"model": build_model(load_cfg(tiny.cfg_file, opts)).state_dict(), "label_space": SHAPES.to_list()},
                weights)
-    return TinyRTDETRRun(opts, val_json, val_dir)
+    return TinyRTDETRRun(tiny.cfg_file, tiny.node, opts, val_json, val_dir)
 
 
 def write_clip(path: str, frames: int) -> None:
@@ -71,7 +76,7 @@ def test_every_output_format_of_a_folder_with_a_video(tiny_run, tmp_path, monkey
         shutil.copy(f"{tiny_run.val_dir}/{name}", images / name)
     write_clip(str(images / "clip.mp4"), 5)
     out = tmp_path / "out"
-    run = run_tool_in_process(monkeypatch, capsys, "predict.py", "--cfg", RTDETR_SHAPES_CFG, "--input", images,
+    run = run_tool_in_process(monkeypatch, capsys, "predict.py", "--cfg", tiny_run.cfg_file, "--input", images,
                               "--output", out, "--save", "csv,coco,json,yolo,vis,crops", "--vid-stride", "2",
                               "--vis-thresh", "0", *tiny_run.opts)
     assert run.returncode == 0, run.stderr
@@ -105,7 +110,7 @@ def test_every_output_format_of_a_folder_with_a_video(tiny_run, tmp_path, monkey
 
 @pytest.mark.numeric
 def test_a_folder_gives_exactly_test_nets_detections(tiny_run, tmp_path):
-    cfg = load_cfg(RTDETR_SHAPES_CFG, [*tiny_run.opts, "TEST.IMS_PER_BATCH", "4"])
+    cfg = load_cfg(tiny_run.cfg_file, [*tiny_run.opts, "TEST.IMS_PER_BATCH", "4"])
     expected, predicted, _ = detections_of_test_net_and_predict(cfg, tiny_run.val_dir, tiny_run.val_json, tmp_path)
     assert predicted == expected and len(expected) == 6 * PER_PICTURE
 
@@ -114,14 +119,14 @@ def test_a_score_threshold_below_the_models_lowers_its_score_thresh_test(tiny_ru
     """RT-DETR drops detections at MODEL.RTDETR.SCORE_THRESH_TEST inside the model: a lower --score-thresh must
     lower it, or the detections between the two are lost."""
     picture = f"{tiny_run.val_dir}/000001.jpg"
-    scores = np.sort(Predictor(predict_cfg(RTDETR_SHAPES_CFG, tiny_run.opts))(picture).scores)[::-1]
+    scores = np.sort(Predictor(predict_cfg(tiny_run.cfg_file, tiny_run.opts))(picture).scores)[::-1]
     high, low = float(scores[4]), float(scores[-5])  # 5th best and 5th worst of the model's 20
     assert high > low
-    cfg = predict_cfg(RTDETR_SHAPES_CFG, [*tiny_run.opts, "MODEL.RTDETR.SCORE_THRESH_TEST", str(high)])
+    cfg = predict_cfg(tiny_run.cfg_file, [*tiny_run.opts, f"MODEL.{tiny_run.node}.SCORE_THRESH_TEST", str(high)])
     assert len(Predictor(cfg)(picture)) <= 4  # the model's own threshold (strict) keeps at most the 4 best
     detections = Predictor(cfg, score_thresh=low)(picture)
     assert len(detections) > 4 and low <= detections.scores.min() < high
-    assert cfg.MODEL.RTDETR.SCORE_THRESH_TEST == high  # the caller's config is left as it is
+    assert cfg.MODEL[tiny_run.node].SCORE_THRESH_TEST == high  # the caller's config is left as it is
 
 
 def test_tiles_hand_the_models_own_detections_of_each_tile_to_the_seam_merge(tiny_run):
@@ -136,7 +141,7 @@ def test_tiles_hand_the_models_own_detections_of_each_tile_to_the_seam_merge(tin
     with one over every tile's detections (tests/predict/test_tiling.py)."""
     mosaic = np.concatenate([np.concatenate([cv2.imread(f"{tiny_run.val_dir}/00000{r * 2 + c + 1}.jpg")[:112, :144]
                                              for c in range(2)], axis=1) for r in range(2)], axis=0)
-    cfg = predict_cfg(RTDETR_SHAPES_CFG, [*tiny_run.opts, "TEST.IMS_PER_BATCH", "1"])
+    cfg = predict_cfg(tiny_run.cfg_file, [*tiny_run.opts, "TEST.IMS_PER_BATCH", "1"])
     model = Predictor(cfg).model
     with torch.no_grad():
         model.decoder.class_heads[-1].weight.zero_()

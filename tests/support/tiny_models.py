@@ -3,6 +3,7 @@ varied, non-trivial outputs (random norms, a classifier rescaled to O(1) scores)
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import cv2
 import numpy as np
@@ -31,6 +32,32 @@ TINY_RTDETR = ["MODEL.RTDETR.BACKBONE_WIDTH", "8", "MODEL.RTDETR.HIDDEN_DIM", "1
 def tiny_rtdetr_cfg(*opts: str):
     """The config of the tiny RT-DETR (:data:`TINY_RTDETR`), with ``opts``."""
     return load_cfg(RTDETR_SHAPES_CFG, [*TINY_RTDETR, *opts])
+
+
+# A tiny D-FINE on the shapes config DFINE_SHAPES_CFG (HGNetv2-B0, the smallest HGNetv2, as it ships there).
+DFINE_SHAPES_CFG = os.path.join(CFGS, "shapes", "dfine_hgnetv2_B0.yaml")
+TINY_DFINE = ["MODEL.DFINE.HIDDEN_DIM", "16", "MODEL.DFINE.ENCODER_HEADS", "2", "MODEL.DFINE.ENCODER_FFN_DIM", "32",
+              "MODEL.DFINE.DECODER_DIM", "16", "MODEL.DFINE.DECODER_LAYERS", "2", "MODEL.DFINE.DECODER_HEADS", "2",
+              "MODEL.DFINE.DECODER_FFN_DIM", "32", "MODEL.DFINE.NUM_BINS", "16", "MODEL.DFINE.LQE_HIDDEN_DIM", "16",
+              "MODEL.DFINE.NUM_QUERIES", "20", "MODEL.DFINE.NUM_DENOISING", "10",
+              "MODEL.DFINE.DETECTIONS_PER_IMAGE", "20"]
+
+
+@dataclass(frozen=True)
+class TinyQueryDetector:
+    """A tiny detector of the RT-DETR family (RT-DETR, D-FINE): its shipped shapes config, the opts that make it tiny,
+    and its config node (``MODEL.<node>``)."""
+
+    cfg_file: str
+    opts: tuple[str, ...]
+    node: str
+
+    def cfg(self, *opts: str):
+        return load_cfg(self.cfg_file, [*self.opts, *opts])
+
+
+TINY_QUERY_DETECTORS = {"rtdetr": TinyQueryDetector(RTDETR_SHAPES_CFG, tuple(TINY_RTDETR), "RTDETR"),
+                        "dfine": TinyQueryDetector(DFINE_SHAPES_CFG, tuple(TINY_DFINE), "DFINE")}
 
 
 def randomize_norms(model: torch.nn.Module, seed: int = 0) -> None:

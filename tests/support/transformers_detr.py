@@ -1,17 +1,28 @@
 """What the DETR-family parity tests (RT-DETR, HGNetv2, D-FINE against transformers) build their references with."""
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import numpy as np
 import torch
 
 from pet.modeling.hgnetv2 import HGNETV2_VARIANTS
+from support.against_reference import Tolerance, match_detections
+
+# The 80 COCO 2017 categories among ids 1-90 (the hub models' labels 0-79 in this order): all but these ten.
+UNUSED_COCO_IDS = {12, 26, 29, 30, 45, 66, 68, 69, 71, 83}
+COCO_IDS = [i for i in range(1, 91) if i not in UNUSED_COCO_IDS]
 
 
-def randomised(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+def randomised(model: torch.nn.Module, seed: int, scales: dict[str, float] | None = None) -> torch.nn.Module:
     """Every parameter and BatchNorm statistic perturbed: the reference initialises some layers to zeros
     (box heads' last layers, sampling offsets' weights, D-FINE's gates and quality heads), which would hide a
-    wrongly mapped or wired layer."""
+    wrongly mapped or wired layer. The noise is 0.02 N(0, 1), or ``scales[part]`` for a tensor whose name contains
+    ``part``; BatchNorm variances are drawn in [0.5, 1.5]."""
     generator = torch.Generator().manual_seed(seed)
+    scales = scales or {}
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
             if not tensor.is_floating_point():
@@ -19,14 +30,15 @@ def randomised(model: torch.nn.Module, seed: int) -> torch.nn.Module:
             if name.endswith("running_var"):
                 tensor.uniform_(0.5, 1.5, generator=generator)
             else:
-                tensor.add_(torch.randn(tensor.shape, generator=generator) * 0.02)
+                scale = next((v for part, v in scales.items() if part in name), 0.02)
+                tensor.add_(torch.randn(tensor.shape, generator=generator) * scale)
     return model
 
 
 def hgnetv2_config(variant: str, out_indices: tuple[int, ...] = (1, 2, 3, 4), use_lab: bool | None = None):
     """transformers' ``HGNetV2Config`` for a variant of Pet's table (``out_indices``: 0 is the stem, 1-4 the stages).
     "default" is ``HGNetV2Config()`` unchanged but for ``out_indices``."""
-    import transformers
+    import transformers  # the reference, installed with the test extra; imported by the tests that skip without it
 
     if variant == "default":
         return transformers.HGNetV2Config(out_indices=list(out_indices))
@@ -82,3 +94,93 @@ def calibrated(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
         for norm in norms:
             norm.running_var.mul_(1 + 0.1 * torch.randn(norm.running_var.shape, generator=generator))
     return model
+
+
+@contextlib.contextmanager
+def training(pet: torch.nn.Module, reference: torch.nn.Module, num_denoising: int) -> Iterator[None]:
+    """Both models in training mode with ``num_denoising`` denoising queries; afterwards their weights and BatchNorm
+    statistics as before, eval mode and the configured denoising again (``pet.decoder.denoising``, and the
+    reference's config, which its model reads at each call)."""
+    default = reference.config.num_denoising
+    states = [{k: v.clone() for k, v in m.state_dict().items()} for m in (pet, reference)]
+    reference.config.num_denoising = pet.decoder.denoising.num_denoising = num_denoising
+    pet.train()
+    reference.train()
+    try:
+        yield
+    finally:
+        for model, state in zip((pet, reference), states):
+            model.load_state_dict(state)
+            model.eval()
+        reference.config.num_denoising = pet.decoder.denoising.num_denoising = default
+
+
+def objects(seed: int, height: int, width: int, num_labels: int) -> list[dict]:
+    """Two images' objects (3 and 1) as xyxy pixel boxes and 1-based labels (Pet's targets)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in (3, 1):
+        xy = torch.rand(n, 2, generator=g) * torch.tensor([width * 0.6, height * 0.6])
+        wh = (torch.rand(n, 2, generator=g) * 0.3 + 0.1) * torch.tensor([width, height])
+        labels = torch.randint(1, num_labels + 1, (n,), generator=g)
+        out.append({"boxes": torch.cat([xy, xy + wh], 1), "labels": labels})
+    return out
+
+
+def reference_labels(targets: list[dict], height: int, width: int) -> list[dict]:
+    """Pet's targets as transformers' DETR labels: 0-based ``class_labels``, (cx, cy, w, h) in [0, 1]."""
+    scale = torch.tensor([width, height, width, height], dtype=torch.float32)
+    out = []
+    for t in targets:
+        x0, y0, x1, y1 = (t["boxes"] / scale).unbind(1)
+        cxcywh = torch.stack([(x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0], 1)
+        out.append({"class_labels": t["labels"] - 1, "boxes": cxcywh})
+    return out
+
+
+def reference_detections(outputs: Any, sizes: list[tuple[int, int]], threshold: float) -> list[dict[str, torch.Tensor]]:
+    """transformers' post-processed detections of ``outputs`` on pictures of ``sizes``, as Pet gives them: boxes
+    clipped to the picture (transformers does not clip), labels as COCO category ids (the hub models' 80 classes)."""
+    import transformers  # the reference, installed with the test extra; imported by the tests that skip without it
+
+    found = transformers.RTDetrImageProcessor().post_process_object_detection(outputs, threshold=threshold,
+                                                                              target_sizes=sizes)
+    out = []
+    for (height, width), detections in zip(sizes, found):
+        boxes = detections["boxes"].clone()
+        boxes[:, 0::2] = boxes[:, 0::2].clamp(0, width)
+        boxes[:, 1::2] = boxes[:, 1::2].clamp(0, height)
+        labels = torch.tensor([COCO_IDS[int(label)] for label in detections["labels"]], dtype=torch.int64)
+        out.append({"boxes": boxes, "scores": detections["scores"], "labels": labels})
+    return out
+
+
+def assert_predictor_gives(predictor: Any, pictures: list[np.ndarray], theirs: list[dict[str, torch.Tensor]],
+                           score_thresh: float) -> None:
+    """Pet's :class:`~pet.predict.Predictor` on the RGB ``pictures`` gives transformers' detections ``theirs``
+    (:func:`reference_detections`): paired one to one by COCO id, score (1e-4) and box (0.5 px), only a score within
+    1e-4 of ``score_thresh`` unpaired; every picture keeps 5-100 detections of more than one category."""
+    ours = predictor.predict_many([np.ascontiguousarray(image[..., ::-1]) for image in pictures])  # BGR, as opencv
+    for image, mine, reference in zip(pictures, ours, theirs):
+        assert (mine.height, mine.width) == image.shape[:2]
+        assert 5 <= len(reference["scores"]) <= 100
+        mine_tensors = {"boxes": torch.as_tensor(mine.boxes), "scores": torch.as_tensor(mine.scores),
+                        "labels": torch.as_tensor(mine.labels)}
+        pairs = match_detections(mine_tensors, reference, Tolerance(box=0.5, score=1e-4), score_thresh=score_thresh,
+                                 capped=False)
+        assert len(pairs) >= len(reference["scores"]) - 2
+        assert len(set(reference["labels"].tolist())) >= 2
+
+
+def load_reference_weights(pet: torch.nn.Module, reference: torch.nn.Module) -> None:
+    """The reference's ``state_dict`` into Pet's model through its key mapping (``convert_state_dict``): nothing
+    missing (but FrozenBN's absent ``num_batches_tracked``) or left over."""
+    result = pet.load_state_dict(pet.convert_state_dict(reference.state_dict()), strict=False)
+    assert [k for k in result.missing_keys if not k.endswith("num_batches_tracked")] == []
+    assert result.unexpected_keys == []
+
+
+def random_images(height: int, width: int, seed: int = 0, batch: int = 2) -> torch.Tensor:
+    """Seeded uint8 noise ``[batch, 3, height, width]``."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (batch, 3, height, width), dtype=torch.uint8, generator=generator)

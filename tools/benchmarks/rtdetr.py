@@ -1,9 +1,11 @@
-"""rtdetr: Pet's RT-DETR against transformers' ``RTDetrForObjectDetection`` with the same weights and pixels.
+"""rtdetr: Pet's RT-DETR (or D-FINE) against transformers' with the same weights and pixels.
 
-The pair is R18 (the model of the hub's PekingU/rtdetr_r18vd: ``RTDetrConfig`` with a basic-block ResNet-18-vd,
-80 classes) with random weights (``use_pretrained_backbone=False``: nothing is downloaded); Pet's model is
-cfgs/coco/rtdetr_R-18.yaml and takes the reference's ``state_dict`` through Pet's key mapping
-(:mod:`pet.modeling.rtdetr.weights`), as tests/modeling/test_rtdetr_parity.py does. Both run in the same memory format
+``--model rtdetr-r18`` (default): R18, the model of the hub's PekingU/rtdetr_r18vd (``RTDetrConfig`` with a
+basic-block ResNet-18-vd, 80 classes), Pet's cfgs/coco/rtdetr_R-18.yaml against ``RTDetrForObjectDetection``.
+``--model dfine-l``: D-FINE-L (``DFineConfig()`` with the L checkpoint's sampling points, 80 classes), Pet's
+cfgs/coco/dfine_hgnetv2_L.yaml against ``DFineForObjectDetection``. Random weights (``use_pretrained_backbone=False``:
+nothing is downloaded), which Pet's model takes through its key mapping (:mod:`pet.modeling.rtdetr.weights`,
+:mod:`pet.modeling.dfine.weights`), as the parity tests do. Both run in the same memory format
 and, per row, the same precision (float32, then bfloat16 autocast), on the same random pixels: the reference gets them
 as float in [0, 1], Pet as the uint8 it normalises itself.
 
@@ -25,32 +27,42 @@ import torch
 from pet.config import load_cfg
 from pet.engine.precision import Precision
 from pet.modeling import build_model
-from pet.modeling.rtdetr.weights import convert_transformers_state_dict
 
 from .common import format_fingerprint, interleaved
 from .detectors import _seconds_per_call
 
 __all__ = ["rtdetr_benchmark", "add_arguments"]
 
-PET_CFG = "coco/rtdetr_R-18.yaml"
+# --model: Pet's config, its config node, and the reference's class (transformers' name).
+MODELS = {"rtdetr-r18": ("coco/rtdetr_R-18.yaml", "RTDETR", "RTDetrForObjectDetection"),
+          "dfine-l": ("coco/dfine_hgnetv2_L.yaml", "DFINE", "DFineForObjectDetection")}
 PRECISIONS = {"float32": None, "bfloat16": torch.bfloat16}
 
 
-def _pair(memory_format: str, cfgs: str = "cfgs") -> tuple[torch.nn.Module, torch.nn.Module, Any]:
+def _reference_config(model: str) -> Any:
+    import transformers  # an optional dependency of the benchmark only, as sahi is for ``tiles``
+
+    if model == "dfine-l":
+        return transformers.DFineConfig(num_labels=80, use_pretrained_backbone=False, decoder_n_points=[3, 6, 3])
+    backbone = transformers.RTDetrResNetConfig(depths=[2, 2, 2, 2], layer_type="basic",
+                                               hidden_sizes=[64, 128, 256, 512], out_indices=[2, 3, 4])
+    return transformers.RTDetrConfig(num_labels=80, use_pretrained_backbone=False, backbone_config=backbone,
+                                     encoder_in_channels=[128, 256, 512], hidden_expansion=0.5, decoder_layers=3)
+
+
+def _pair(memory_format: str, model: str = "rtdetr-r18", cfgs: str = "cfgs"
+          ) -> tuple[torch.nn.Module, torch.nn.Module, Any]:
     """(Pet's model, the reference, its image processor): the reference's random weights loaded into Pet's;
     ``cfgs``: Pet's config folder."""
     import transformers  # an optional dependency of the benchmark only, as sahi is for ``tiles``
 
-    backbone = transformers.RTDetrResNetConfig(depths=[2, 2, 2, 2], layer_type="basic",
-                                               hidden_sizes=[64, 128, 256, 512], out_indices=[2, 3, 4])
-    config = transformers.RTDetrConfig(num_labels=80, use_pretrained_backbone=False, backbone_config=backbone,
-                                       encoder_in_channels=[128, 256, 512], hidden_expansion=0.5, decoder_layers=3)
+    cfg_file, node, reference_class = MODELS[model]
     torch.manual_seed(0)
-    reference = transformers.RTDetrForObjectDetection(config)
-    cfg = load_cfg(os.path.join(cfgs, PET_CFG), ["MODEL.CHANNELS_LAST", str(memory_format == "channels_last"),
-                                                  "MODEL.RTDETR.DETECTIONS_PER_IMAGE", "300"])
+    reference = getattr(transformers, reference_class)(_reference_config(model))
+    cfg = load_cfg(os.path.join(cfgs, cfg_file), ["MODEL.CHANNELS_LAST", str(memory_format == "channels_last"),
+                                                   f"MODEL.{node}.DETECTIONS_PER_IMAGE", "300"])
     pet = build_model(cfg)
-    loaded = pet.load_state_dict(convert_transformers_state_dict(reference.state_dict()), strict=False)
+    loaded = pet.load_state_dict(pet.convert_state_dict(reference.state_dict()), strict=False)
     left = [k for k in loaded.missing_keys if not k.endswith("num_batches_tracked")] + loaded.unexpected_keys
     if left:
         raise RuntimeError(f"The reference's weights do not map onto Pet's model: {left[:5]}")
@@ -102,15 +114,16 @@ def _reference_train(model, precision: Precision, pixels, labels) -> None:
 
 def rtdetr_benchmark(args: argparse.Namespace, fingerprint: dict) -> dict:
     """Time inference and a training step of both sides in each precision, alternating; medians and ratios."""
-    pet, reference, processor = _pair(args.memory_format)
+    pet, reference, processor = _pair(args.memory_format, args.model)
     fmt = torch.channels_last if args.memory_format == "channels_last" else torch.contiguous_format
     images, pet_targets, labels = _scene(args.batch, args.size)
     pixels = (images.float() / 255).contiguous(memory_format=fmt)
     sizes = [(args.size, args.size)] * args.batch
-    result: dict = {"size": args.size, "batch": args.batch, "memory_format": args.memory_format, "iters": args.iters,
+    result: dict = {"model": args.model, "size": args.size, "batch": args.batch, "memory_format": args.memory_format,
+                    "iters": args.iters,
                     "repeats": args.repeats, "cases": {}}
     print(format_fingerprint(fingerprint))
-    print(f"rtdetr: Pet's RT-DETR R18 against transformers' RTDetrForObjectDetection, the same random weights and "
+    print(f"rtdetr: Pet's {args.model} against transformers' {MODELS[args.model][2]}, the same random weights and "
           f"pixels ({args.size}x{args.size}), {args.memory_format} on both sides; median of {args.repeats} "
           f"alternating rounds of {args.iters} call(s) after one warm-up call")
     print(f"{'case':<10} {'precision':<9} {'Pet':>10} {'transformers':>13} {'Pet/ref':>8}")
@@ -140,6 +153,7 @@ def rtdetr_benchmark(args: argparse.Namespace, fingerprint: dict) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", choices=sorted(MODELS), default="rtdetr-r18", help="the pair to time")
     parser.add_argument("--size", type=int, default=640, help="square input side (the reference's 640)")
     parser.add_argument("--batch", type=int, default=2, help="training batch")
     parser.add_argument("--precision", nargs="+", choices=sorted(PRECISIONS), default=["float32", "bfloat16"],

@@ -21,21 +21,22 @@ from torchvision.ops import box_convert, box_iou, generalized_box_iou
 from pet.modeling.rtdetr.matcher import Matches
 from pet.utils.comm import get_world_size
 
-__all__ = ["RTDETRCriterion"]
+__all__ = ["RTDETRCriterion", "prediction_index", "denoising_matches", "objects_per_process"]
 
 
 def _matched_giou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """GIoU of the i-th box of ``a`` with the i-th of ``b`` (both xyxy)."""
-    return torch.diag(generalized_box_iou(a, b)) if len(a) else a.new_zeros(0)
+    """GIoU of the i-th box of ``a`` with the i-th of ``b`` (both xyxy); without boxes, empty but in the graph."""
+    return torch.diag(generalized_box_iou(a, b))
 
 
 class RTDETRCriterion(nn.Module):
     """``forward(outputs, targets, matcher) -> dict of losses``; ``outputs`` as :class:`RTDETRDecoder` returns them,
     ``targets`` per image ``labels`` (0-based) and ``boxes`` (cx, cy, w, h in [0, 1])."""
 
-    def __init__(self, cfg: CfgNode, num_classes: int) -> None:
+    def __init__(self, cfg: CfgNode, num_classes: int, node_name: str = "RTDETR") -> None:
+        """The focal parameters and loss weights are read from ``cfg.MODEL.<node_name>`` (``DFINE`` for D-FINE)."""
         super().__init__()
-        node = cfg.MODEL.RTDETR
+        node = cfg.MODEL[node_name]
         self.num_classes = num_classes
         self.alpha, self.gamma = node.FOCAL_ALPHA, node.FOCAL_GAMMA
         self.weights = {"loss_vfl": node.LOSS_VFL, "loss_bbox": node.LOSS_BBOX, "loss_giou": node.LOSS_GIOU}
@@ -43,7 +44,7 @@ class RTDETRCriterion(nn.Module):
 
     def loss_vfl(self, logits: torch.Tensor, boxes: torch.Tensor, targets: list[dict], matches: Matches,
                  num_boxes: float) -> dict[str, torch.Tensor]:
-        idx = _prediction_index(matches)
+        idx = prediction_index(matches)
         gt_boxes = torch.cat([t["boxes"][j] for t, (_, j) in zip(targets, matches)])
         ious = box_iou(box_convert(boxes[idx].detach(), "cxcywh", "xyxy"), box_convert(gt_boxes, "cxcywh", "xyxy"))
         classes = torch.full(logits.shape[:2], self.num_classes, dtype=torch.int64, device=logits.device)
@@ -58,7 +59,7 @@ class RTDETRCriterion(nn.Module):
 
     def loss_boxes(self, logits: torch.Tensor, boxes: torch.Tensor, targets: list[dict], matches: Matches,
                    num_boxes: float) -> dict[str, torch.Tensor]:
-        src = boxes[_prediction_index(matches)]
+        src = boxes[prediction_index(matches)]
         gt = torch.cat([t["boxes"][j] for t, (_, j) in zip(targets, matches)])
         giou = _matched_giou(box_convert(src, "cxcywh", "xyxy"), box_convert(gt, "cxcywh", "xyxy"))
         return {"loss_bbox": F.l1_loss(src, gt, reduction="sum") / num_boxes, "loss_giou": (1 - giou).sum() / num_boxes}
@@ -73,7 +74,7 @@ class RTDETRCriterion(nn.Module):
 
     def forward(self, outputs: dict, targets: list[dict[str, torch.Tensor]], matcher: nn.Module
                 ) -> dict[str, torch.Tensor]:
-        num_boxes = _num_boxes(targets, outputs["logits"][-1].device)
+        num_boxes = objects_per_process(targets, outputs["logits"][-1].device)
         denoising = outputs.get("denoising")
         logits, boxes = outputs["logits"], outputs["boxes"]
         if denoising is not None:
@@ -87,18 +88,18 @@ class RTDETRCriterion(nn.Module):
         for lg, bx, suffix in sets:
             losses.update(self._terms(lg, bx, targets, matcher(lg, bx, targets), num_boxes, suffix))
         if denoising is not None:
-            matches = _denoising_matches(denoising, targets)
+            matches = denoising_matches(denoising, targets)
             for i, (lg, bx) in enumerate(zip(dn_logits, dn_boxes)):
                 losses.update(self._terms(lg, bx, targets, matches, num_boxes * denoising["groups"], f"_dn_{i}"))
         return losses
 
 
-def _prediction_index(matches: Matches) -> tuple[torch.Tensor, torch.Tensor]:
+def prediction_index(matches: Matches) -> tuple[torch.Tensor, torch.Tensor]:
     batch = torch.cat([torch.full_like(src, i) for i, (src, _) in enumerate(matches)])
     return batch, torch.cat([src for src, _ in matches])
 
 
-def _denoising_matches(denoising: dict, targets: list[dict]) -> Matches:
+def denoising_matches(denoising: dict, targets: list[dict]) -> Matches:
     """Each image's positive denoising queries, group after group, matched to its objects in order."""
     out = []
     for positive, t in zip(denoising["positive"], targets):
@@ -107,7 +108,7 @@ def _denoising_matches(denoising: dict, targets: list[dict]) -> Matches:
     return out
 
 
-def _num_boxes(targets: list[dict], device: torch.device) -> float:
+def objects_per_process(targets: list[dict], device: torch.device) -> float:
     """Objects per process averaged over processes (at least 1): each process normalises its losses by it, so
     the gradient averaged by DDP is that of the whole batch's loss (DETR's normalisation)."""
     count = torch.tensor([float(sum(len(t["labels"]) for t in targets))], device=device)

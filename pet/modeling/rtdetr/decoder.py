@@ -9,7 +9,7 @@ from torch import nn
 
 from pet.modeling.rtdetr.deformable import MSDeformableAttention
 from pet.modeling.rtdetr.layers import MLP, ConvNorm, FeedForward, SelfAttention, inverse_sigmoid
-from pet.modeling.rtdetr.queries import ContrastiveDenoising, QuerySelection
+from pet.modeling.rtdetr.queries import ContrastiveDenoising, QuerySelection, decoder_inputs
 
 __all__ = ["DecoderLayer", "RTDETRDecoder"]
 
@@ -65,23 +65,8 @@ class RTDETRDecoder(nn.Module):
 
     def forward(self, features: list[torch.Tensor], targets: list[dict[str, torch.Tensor]] | None = None
                 ) -> dict:
-        maps = [proj(f) for proj, f in zip(self.input_proj, features)]
-        shapes = [(m.shape[-2], m.shape[-1]) for m in maps]
-        memory = torch.cat([m.flatten(2).transpose(1, 2) for m in maps], 1)
-        selected = self.query_selection(memory, shapes)
-        queries, reference, attn_mask = selected["queries"], selected["reference"].detach(), None
-        denoising = self.denoising(targets, queries.shape[1]) if targets is not None else None
-        if denoising is not None:
-            queries = torch.cat([denoising["queries"], queries], 1)
-            reference = torch.cat([denoising["reference"], reference], 1)
-            attn_mask = denoising["attn_mask"]
-        elif targets is not None:
-            # No denoising queries (no object in this process's images, or NUM_DENOISING 0): the label embedding
-            # joins the graph with weight 0, so DistributedDataParallel, which all-reduces every parameter's
-            # gradient at every step, finds one in every process; else a process without objects stops the run
-            # ("Expected to have finished reduction"). The reference instead runs DDP with find_unused_parameters,
-            # which walks the graph at every step.
-            queries = queries + 0.0 * self.denoising.label_embed.weight.sum()
+        memory, shapes, queries, reference, attn_mask, selected, denoising = decoder_inputs(
+            [proj(f) for proj, f in zip(self.input_proj, features)], self.query_selection, self.denoising, targets)
         boxes = reference.sigmoid()
         all_logits, all_boxes = [], []
         last = len(self.layers) - 1

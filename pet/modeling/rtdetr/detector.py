@@ -25,22 +25,22 @@ from pet.modeling.preprocess import Normalizer, image_sizes
 from pet.modeling.rtdetr.criterion import RTDETRCriterion
 from pet.modeling.rtdetr.decoder import RTDETRDecoder
 from pet.modeling.rtdetr.encoder import HybridEncoder
-from pet.modeling.rtdetr.matcher import RTDETR_MATCHER_REGISTRY
+from pet.modeling.rtdetr.matcher import build_matcher
 from pet.modeling.rtdetr.queries import ContrastiveDenoising
 from pet.modeling.rtdetr.weights import convert_transformers_state_dict, is_transformers_state_dict
 from pet.modeling.state_dict_names import convert_state_dict
 from pet.utils.errors import ConfigError
 from pet.utils.timers import timed
 
-__all__ = ["RTDETR"]
+__all__ = ["QueryDetector", "RTDETR", "normalised_targets"]
 
 
-@META_ARCH_REGISTRY.register()
-class RTDETR(Detector):
-    """``forward(images, targets)`` as :class:`pet.modeling.FasterRCNN`: uint8 ``[B, 3, H, W]`` padded images and
-    per-image targets; training returns the loss terms (:mod:`pet.modeling.rtdetr.criterion`), eval per-image
-    ``boxes`` / ``scores`` / ``labels`` (1..NUM_CLASSES) in original-image pixels. Test-time timers: ``backbone``,
-    ``encoder``, ``decoder`` (query selection included) and ``postprocess``."""
+class QueryDetector(Detector):
+    """What RT-DETR and its successors (:class:`pet.modeling.dfine.DFINE`) share: the backbone, the batch contract,
+    the training targets and the top-k test-time output. A subclass's ``__init__`` calls this one with its config
+    node, then builds ``encoder`` (backbone levels -> fused maps), ``decoder`` (maps -> per-layer ``logits`` /
+    ``boxes``, the last used at test time), ``matcher`` and ``criterion`` (``(decoder outputs, targets, matcher)
+    -> losses``)."""
 
     # The class heads (and the denoising label embedding) have one row per class.
     class_dependent_prefixes: tuple[str, ...] = ("decoder.class_heads.", "decoder.query_selection.score_head.",
@@ -48,43 +48,22 @@ class RTDETR(Detector):
     # The encoder doubles the stride-32 map and concatenates it with the stride-16 one (and so on down to stride 8):
     # the padded height and width must divide by 32 (INPUT.SIZE_DIVISIBILITY, and the export's sizes).
     size_multiple = 32
-    score_thresh_key = "MODEL.RTDETR.SCORE_THRESH_TEST"
 
-    def __init__(self, cfg: CfgNode) -> None:
+    def __init__(self, cfg: CfgNode, node_name: str) -> None:
         super().__init__()
-        node = cfg.MODEL.RTDETR
+        node = cfg.MODEL[node_name]
         divisibility = cfg.INPUT.SIZE_DIVISIBILITY
         if divisibility <= 0 or divisibility % self.size_multiple:
-            raise ConfigError(f"RT-DETR needs INPUT.SIZE_DIVISIBILITY a multiple of {self.size_multiple}, got "
-                              f"{divisibility}: its encoder doubles the stride-32 map onto the stride-16 one, so "
-                              f"every padded batch must divide by {self.size_multiple}. Set INPUT.SIZE_DIVISIBILITY "
-                              f"{self.size_multiple}.")
+            raise ConfigError(f"{type(self).__name__} needs INPUT.SIZE_DIVISIBILITY a multiple of "
+                              f"{self.size_multiple}, got {divisibility}: its encoder doubles the stride-32 map onto "
+                              f"the stride-16 one, so every padded batch must divide by {self.size_multiple}. Set "
+                              f"INPUT.SIZE_DIVISIBILITY {self.size_multiple}.")
         self.num_classes = cfg.MODEL.NUM_CLASSES
         self.detections_per_img = node.DETECTIONS_PER_IMAGE
         self.score_thresh = node.SCORE_THRESH_TEST
         self.normalizer = Normalizer(cfg)
         self.backbone = build_backbone(cfg)
-        dim = node.HIDDEN_DIM
-        self.encoder = HybridEncoder(list(self.backbone.out_channels), dim, num_heads=node.ENCODER_HEADS,
-                                     ffn_dim=node.ENCODER_FFN_DIM, num_layers=node.ENCODER_LAYERS,
-                                     num_blocks=node.CSP_BLOCKS, expansion=node.EXPANSION)
-        denoising = ContrastiveDenoising(node.DECODER_DIM, self.num_classes, node.NUM_DENOISING,
-                                         node.LABEL_NOISE_RATIO, node.BOX_NOISE_SCALE)
-        self.decoder = RTDETRDecoder(dim, node.DECODER_DIM, self.num_classes, num_queries=node.NUM_QUERIES,
-                                     num_layers=node.DECODER_LAYERS, num_heads=node.DECODER_HEADS,
-                                     ffn_dim=node.DECODER_FFN_DIM, num_levels=len(self.backbone.out_channels),
-                                     num_points=node.DECODER_POINTS, denoising=denoising)
-        self.matcher = RTDETR_MATCHER_REGISTRY.get(node.MATCHER)(cfg)
-        self.criterion = RTDETRCriterion(cfg, self.num_classes)
-        if cfg.MODEL.CHANNELS_LAST:
-            self.to(memory_format=torch.channels_last)
-
-    @staticmethod
-    def convert_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """transformers' RT-DETR names to Pet's (:mod:`pet.modeling.rtdetr.weights`); anything else as other models."""
-        if is_transformers_state_dict(state):
-            return convert_transformers_state_dict(state)
-        return convert_state_dict(state)
+        self.matcher = build_matcher(cfg, node_name)
 
     def forward(self, images: torch.Tensor, targets: list[dict[str, Any]]
                 ) -> dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]:
@@ -127,6 +106,40 @@ class RTDETR(Detector):
         query = torch.div(index, classes, rounding_mode="floor")
         picked = corners.gather(1, query.unsqueeze(-1).expand(-1, -1, 4))
         return picked, scores, index - query * classes + 1, scores > self.score_thresh
+
+
+@META_ARCH_REGISTRY.register()
+class RTDETR(QueryDetector):
+    """``forward(images, targets)`` as :class:`pet.modeling.FasterRCNN`: uint8 ``[B, 3, H, W]`` padded images and
+    per-image targets; training returns the loss terms (:mod:`pet.modeling.rtdetr.criterion`), eval per-image
+    ``boxes`` / ``scores`` / ``labels`` (1..NUM_CLASSES) in original-image pixels. Test-time timers: ``backbone``,
+    ``encoder``, ``decoder`` (query selection included) and ``postprocess``."""
+
+    score_thresh_key = "MODEL.RTDETR.SCORE_THRESH_TEST"
+
+    def __init__(self, cfg: CfgNode) -> None:
+        super().__init__(cfg, "RTDETR")
+        node = cfg.MODEL.RTDETR
+        dim = node.HIDDEN_DIM
+        self.encoder = HybridEncoder(list(self.backbone.out_channels), dim, num_heads=node.ENCODER_HEADS,
+                                     ffn_dim=node.ENCODER_FFN_DIM, num_layers=node.ENCODER_LAYERS,
+                                     num_blocks=node.CSP_BLOCKS, expansion=node.EXPANSION)
+        denoising = ContrastiveDenoising(node.DECODER_DIM, self.num_classes, node.NUM_DENOISING,
+                                         node.LABEL_NOISE_RATIO, node.BOX_NOISE_SCALE)
+        self.decoder = RTDETRDecoder(dim, node.DECODER_DIM, self.num_classes, num_queries=node.NUM_QUERIES,
+                                     num_layers=node.DECODER_LAYERS, num_heads=node.DECODER_HEADS,
+                                     ffn_dim=node.DECODER_FFN_DIM, num_levels=len(self.backbone.out_channels),
+                                     num_points=node.DECODER_POINTS, denoising=denoising)
+        self.criterion = RTDETRCriterion(cfg, self.num_classes)
+        if cfg.MODEL.CHANNELS_LAST:
+            self.to(memory_format=torch.channels_last)
+
+    @staticmethod
+    def convert_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """transformers' RT-DETR names to Pet's (:mod:`pet.modeling.rtdetr.weights`); anything else as other models."""
+        if is_transformers_state_dict(state):
+            return convert_transformers_state_dict(state)
+        return convert_state_dict(state)
 
 
 def normalised_targets(target: dict[str, Any], height: int, width: int) -> dict[str, torch.Tensor]:

@@ -75,21 +75,40 @@ class CSPRepLayer(nn.Module):
 
 
 class HybridEncoder(nn.Module):
-    """Backbone levels (finest first) -> as many fused ``dim``-channel maps at the same strides."""
+    """Backbone levels (finest first; only the last ``len(in_channels)`` are used) -> as many fused ``dim``-channel
+    maps at the same strides.
+
+    The three kinds of CCFM parts are made by :meth:`lateral_conv`, :meth:`fusion_block` and :meth:`downsample_conv`,
+    which a variant overrides (D-FINE's encoder, :class:`pet.modeling.dfine.encoder.DFineHybridEncoder`).
+    """
 
     def __init__(self, in_channels: list[int], dim: int, *, num_heads: int, ffn_dim: int, num_layers: int,
                  num_blocks: int, expansion: float, temperature: float = 10000.0) -> None:
         super().__init__()
         self.dim, self.temperature = dim, temperature
+        self.num_blocks, self.expansion = num_blocks, expansion
         self.input_proj = nn.ModuleList(ConvNorm(c, dim, 1) for c in in_channels)
         self.aifi = nn.ModuleList(EncoderLayer(dim, num_heads, ffn_dim) for _ in range(num_layers))
         levels = len(in_channels) - 1
-        self.lateral_convs = nn.ModuleList(ConvNorm(dim, dim, 1, activation="silu") for _ in range(levels))
-        self.fpn_blocks = nn.ModuleList(CSPRepLayer(2 * dim, dim, num_blocks, expansion) for _ in range(levels))
-        self.downsample_convs = nn.ModuleList(ConvNorm(dim, dim, 3, 2, activation="silu") for _ in range(levels))
-        self.pan_blocks = nn.ModuleList(CSPRepLayer(2 * dim, dim, num_blocks, expansion) for _ in range(levels))
+        self.lateral_convs = nn.ModuleList(self.lateral_conv() for _ in range(levels))
+        self.fpn_blocks = nn.ModuleList(self.fusion_block() for _ in range(levels))
+        self.downsample_convs = nn.ModuleList(self.downsample_conv() for _ in range(levels))
+        self.pan_blocks = nn.ModuleList(self.fusion_block() for _ in range(levels))
+
+    def lateral_conv(self) -> nn.Module:
+        """The 1x1 conv on a coarser map before it is upsampled onto the next finer one."""
+        return ConvNorm(self.dim, self.dim, 1, activation="silu")
+
+    def fusion_block(self) -> nn.Module:
+        """The block fusing two concatenated maps (``2 * dim`` channels) into one (``dim``)."""
+        return CSPRepLayer(2 * self.dim, self.dim, self.num_blocks, self.expansion)
+
+    def downsample_conv(self) -> nn.Module:
+        """The stride-2 conv taking a fused map onto the next coarser level in the bottom-up pass."""
+        return ConvNorm(self.dim, self.dim, 3, 2, activation="silu")
 
     def forward(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
+        features = features[len(features) - len(self.input_proj):]
         maps = [proj(f) for proj, f in zip(self.input_proj, features)]
         if len(self.aifi):
             top = maps[-1]

@@ -5,14 +5,15 @@ import torch
 from torch import Tensor
 
 from pet.modeling.export_graph import DetectorGraph, register_export_graph
-from pet.modeling.rtdetr.detector import RTDETR
+from pet.modeling.rtdetr.detector import QueryDetector
 
 __all__ = ["RTDETRGraph"]
 
 
-@register_export_graph(RTDETR)
+@register_export_graph(QueryDetector)
 class RTDETRGraph(DetectorGraph):
-    """RT-DETR: encoder, query selection and decoder as the model runs them, then its top-k post-processing, batched.
+    """RT-DETR and its successors (D-FINE): encoder, query selection and decoder as the model runs them, then the
+    top-k post-processing, batched.
 
     There is no NMS: each image keeps its ``DETECTIONS_PER_IMAGE`` best (query, class) sigmoid scores above
     ``SCORE_THRESH_TEST``, as :meth:`pet.modeling.rtdetr.RTDETR.top_detections` selects them; the number of queries
@@ -27,9 +28,9 @@ class RTDETRGraph(DetectorGraph):
     they stay dynamic).
     """
 
-    size_multiple = RTDETR.size_multiple
+    size_multiple = QueryDetector.size_multiple
 
-    def __init__(self, model: RTDETR, example_images: Tensor, example_sizes: list[tuple[int, int]]) -> None:
+    def __init__(self, model: QueryDetector, example_images: Tensor, example_sizes: list[tuple[int, int]]) -> None:
         super().__init__(model, example_images, example_sizes)
         self.encoder = model.encoder
         self.decoder = model.decoder

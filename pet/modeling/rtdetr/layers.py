@@ -15,9 +15,10 @@ class ConvNorm(nn.Module):
     """Convolution (no bias), BatchNorm (or FrozenBN) and an optional activation: the unit of every RT-DETR conv."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int = 1, stride: int = 1, *,
-                 activation: str | None = None, frozen_bn_eps: float | None = None) -> None:
+                 groups: int = 1, activation: str | None = None, frozen_bn_eps: float | None = None) -> None:
         super().__init__()
-        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, (kernel_size - 1) // 2, bias=False)
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, (kernel_size - 1) // 2, groups=groups,
+                              bias=False)
         self.norm = (FrozenBatchNorm2d(out_channels, eps=frozen_bn_eps) if frozen_bn_eps is not None
                      else nn.BatchNorm2d(out_channels))
         self.act = ACTIVATIONS[activation]() if activation else nn.Identity()

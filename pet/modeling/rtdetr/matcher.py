@@ -7,6 +7,9 @@ register it in ``RTDETR_MATCHER_REGISTRY``; ``MODEL.RTDETR.MATCHER`` names it (d
 """
 from __future__ import annotations
 
+import inspect
+import logging
+
 import torch
 from fvcore.common.config import CfgNode
 from torch import nn
@@ -14,10 +17,13 @@ from torchvision.ops import box_convert, generalized_box_iou
 
 from pet.utils.registry import Registry
 
-__all__ = ["HungarianMatcher", "RTDETR_MATCHER_REGISTRY", "Matches"]
+__all__ = ["HungarianMatcher", "RTDETR_MATCHER_REGISTRY", "Matches", "build_matcher"]
+
+logger = logging.getLogger(__name__)
 
 RTDETR_MATCHER_REGISTRY = Registry("RT-DETR matcher")
-RTDETR_MATCHER_REGISTRY.__doc__ = "RT-DETR matchers by name, for MODEL.RTDETR.MATCHER: ``Entry(cfg) -> nn.Module``."
+RTDETR_MATCHER_REGISTRY.__doc__ = ("RT-DETR matchers by name, for MODEL.RTDETR.MATCHER (and MODEL.DFINE.MATCHER): "
+                                   "``Entry(cfg, node_name) -> nn.Module``, the costs in ``cfg.MODEL[node_name]``.")
 
 # Per image: (prediction indices, object indices), int64, of equal length.
 Matches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -28,9 +34,10 @@ class HungarianMatcher(nn.Module):
     """``forward(logits [B, Q, C], boxes [B, Q, 4], targets) -> Matches``; targets hold ``labels`` (0-based) and
     ``boxes`` (cx, cy, w, h in [0, 1]). Costs that are not finite are replaced by the largest float (matched last)."""
 
-    def __init__(self, cfg: CfgNode) -> None:
+    def __init__(self, cfg: CfgNode, node_name: str = "RTDETR") -> None:
+        """The costs are read from ``cfg.MODEL.<node_name>`` (``RTDETR``, or ``DFINE`` for D-FINE)."""
         super().__init__()
-        node = cfg.MODEL.RTDETR
+        node = cfg.MODEL[node_name]
         self.class_weight, self.bbox_weight, self.giou_weight = node.COST_CLASS, node.COST_BBOX, node.COST_GIOU
         self.alpha, self.gamma = node.MATCHER_ALPHA, node.MATCHER_GAMMA
 
@@ -56,3 +63,19 @@ class HungarianMatcher(nn.Module):
             rows, cols = linear_sum_assignment(c[i])
             matches.append((torch.as_tensor(rows, dtype=torch.int64), torch.as_tensor(cols, dtype=torch.int64)))
         return matches
+
+
+def build_matcher(cfg: CfgNode, node_name: str) -> nn.Module:
+    """The matcher ``cfg.MODEL.<node_name>.MATCHER`` names, built as ``Matcher(cfg, node_name)``.
+
+    A matcher written for Pet 0.2 takes ``(cfg)`` alone and reads ``MODEL.RTDETR``: until 0.4.0 it is still built
+    that way, with a warning (CHANGELOG, Deprecated)."""
+    name = cfg.MODEL[node_name].MATCHER
+    entry = RTDETR_MATCHER_REGISTRY.get(name)
+    parameters = inspect.signature(entry).parameters.values()
+    if len(parameters) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in parameters):
+        return entry(cfg, node_name)
+    logger.warning(f"MODEL.{node_name}.MATCHER {name} takes (cfg) alone; matchers are now built as "
+                   f"Matcher(cfg, node_name) with their costs in cfg.MODEL[node_name]. Add the node_name argument "
+                   f"(and pass it to HungarianMatcher.__init__): the one-argument form goes in Pet 0.4.0.")
+    return entry(cfg)

@@ -14,13 +14,15 @@ stops the matching queries from seeing the denoising ones and groups from seeing
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from torchvision.ops import box_convert
 
 from pet.modeling.rtdetr.layers import MLP, inverse_sigmoid
 
-__all__ = ["QuerySelection", "ContrastiveDenoising", "encoder_anchors"]
+__all__ = ["QuerySelection", "ContrastiveDenoising", "encoder_anchors", "DecoderInputs", "decoder_inputs"]
 
 
 def encoder_anchors(shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype,
@@ -131,3 +133,40 @@ class ContrastiveDenoising(nn.Module):
             mask[start:end, end:total] = -torch.inf
         return {"queries": self.label_embed(labels), "reference": inverse_sigmoid(boxes), "attn_mask": mask,
                 "positive": positive, "groups": groups, "split": [total, num_queries]}
+
+
+class DecoderInputs(NamedTuple):
+    """What a DETR decoder's layers start from: the flattened ``memory`` [B, S, C] and its levels' ``shapes``, the
+    ``queries`` [B, N, C] and their ``reference`` box logits [B, N, 4] (denoising queries first, when training
+    with them), the denoising ``attn_mask`` (or None), the query selection's outputs and the denoising's."""
+
+    memory: torch.Tensor
+    shapes: list[tuple[int, int]]
+    queries: torch.Tensor
+    reference: torch.Tensor
+    attn_mask: torch.Tensor | None
+    selected: dict[str, torch.Tensor]
+    denoising: dict | None
+
+
+def decoder_inputs(maps: list[torch.Tensor], query_selection: QuerySelection, denoising: ContrastiveDenoising,
+                   targets: list[dict[str, torch.Tensor]] | None) -> DecoderInputs:
+    """The encoder's (projected) ``maps`` flattened, the selected queries, and in training (``targets`` given) the
+    denoising queries put before them (RT-DETR's and D-FINE's decoders alike)."""
+    shapes = [(m.shape[-2], m.shape[-1]) for m in maps]
+    memory = torch.cat([m.flatten(2).transpose(1, 2) for m in maps], 1)
+    selected = query_selection(memory, shapes)
+    queries, reference, attn_mask = selected["queries"], selected["reference"].detach(), None
+    noised = denoising(targets, queries.shape[1]) if targets is not None else None
+    if noised is not None:
+        queries = torch.cat([noised["queries"], queries], 1)
+        reference = torch.cat([noised["reference"], reference], 1)
+        attn_mask = noised["attn_mask"]
+    elif targets is not None:
+        # No denoising queries (no object in this process's images, or NUM_DENOISING 0): the label embedding
+        # joins the graph with weight 0, so DistributedDataParallel, which all-reduces every parameter's
+        # gradient at every step, finds one in every process; else a process without objects stops the run
+        # ("Expected to have finished reduction"). The reference instead runs DDP with find_unused_parameters,
+        # which walks the graph at every step.
+        queries = queries + 0.0 * denoising.label_embed.weight.sum()
+    return DecoderInputs(memory, shapes, queries, reference, attn_mask, selected, noised)

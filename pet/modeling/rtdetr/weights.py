@@ -39,10 +39,20 @@ from collections.abc import Mapping
 import torch
 
 __all__ = ["TRANSFORMERS_TO_PET", "FILE_TO_MODULE_NAMES", "convert_transformers_state_dict",
-           "is_transformers_state_dict", "module_names"]
+           "is_transformers_state_dict", "module_names", "renamed", "file_to_module_names", "QUERY_RULES"]
 
 _BACKBONE = r"model\.backbone\.model\."
 _STAGE = _BACKBONE + r"encoder\.stages\.(\d+)\.layers\.(\d+)\."
+# The decoder's input projections, query selection and denoising embedding: RT-DETR's names and D-FINE's alike.
+QUERY_RULES: list[tuple[str, str]] = [
+    (r"model\.decoder_input_proj\.(\d+)\.0\.", r"decoder.input_proj.\1.conv."),
+    (r"model\.decoder_input_proj\.(\d+)\.1\.", r"decoder.input_proj.\1.norm."),
+    (r"model\.enc_output\.0\.", r"decoder.query_selection.proj."),
+    (r"model\.enc_output\.1\.", r"decoder.query_selection.norm."),
+    (r"model\.enc_score_head\.", r"decoder.query_selection.score_head."),
+    (r"model\.enc_bbox_head\.", r"decoder.query_selection.box_head."),
+    (r"model\.denoising_class_embed\.", r"decoder.denoising.label_embed."),
+]
 # (pattern, replacement): the documented table above, in order.
 TRANSFORMERS_TO_PET: list[tuple[str, str]] = [
     (_BACKBONE + r"embedder\.embedder\.(\d+)\.convolution\.", r"backbone.stem.\1.conv."),
@@ -59,13 +69,7 @@ TRANSFORMERS_TO_PET: list[tuple[str, str]] = [
     (r"model\.encoder\.aifi\.0\.layers\.(\d+)\.", r"encoder.aifi.\1."),
     (r"model\.encoder\.(fpn|pan)_blocks\.(\d+)\.bottlenecks\.", r"encoder.\1_blocks.\2.blocks."),
     (r"model\.encoder\.", r"encoder."),
-    (r"model\.decoder_input_proj\.(\d+)\.0\.", r"decoder.input_proj.\1.conv."),
-    (r"model\.decoder_input_proj\.(\d+)\.1\.", r"decoder.input_proj.\1.norm."),
-    (r"model\.enc_output\.0\.", r"decoder.query_selection.proj."),
-    (r"model\.enc_output\.1\.", r"decoder.query_selection.norm."),
-    (r"model\.enc_score_head\.", r"decoder.query_selection.score_head."),
-    (r"model\.enc_bbox_head\.", r"decoder.query_selection.box_head."),
-    (r"model\.denoising_class_embed\.", r"decoder.denoising.label_embed."),
+    *QUERY_RULES,
     (r"model\.decoder\.layers\.(\d+)\.encoder_attn_layer_norm\.", r"decoder.layers.\1.norm2."),
     (r"model\.decoder\.layers\.(\d+)\.encoder_attn\.", r"decoder.layers.\1.cross_attn."),
     (r"model\.decoder\.layers\.(\d+)\.self_attn_layer_norm\.", r"decoder.layers.\1.norm1."),
@@ -77,14 +81,19 @@ TRANSFORMERS_TO_PET: list[tuple[str, str]] = [
     (r"model\.decoder\.query_pos_head\.", r"decoder.query_pos_head."),
 ]
 _RULES = [(re.compile(pattern), replacement) for pattern, replacement in TRANSFORMERS_TO_PET]
-# The names in transformers' files (the hub's model.safetensors, save_pretrained) -> its modules' names, which the
-# table above takes: transformers renames these as it loads (its conversion_mapping.py, "rt_detr").
-FILE_TO_MODULE_NAMES: list[tuple[str, str]] = [
-    (r"\.out_proj\.", ".o_proj."),
-    (r"\.layers\.(\d+)\.fc1\.", r".layers.\1.mlp.fc1."),
-    (r"\.layers\.(\d+)\.fc2\.", r".layers.\1.mlp.fc2."),
-    (r"^model\.encoder\.encoder\.(\d+)\.layers\.", r"model.encoder.aifi.\1.layers."),
-]
+
+
+def file_to_module_names(fc1: str, fc2: str) -> list[tuple[str, str]]:
+    """The names in transformers' DETR files (the hub's model.safetensors, save_pretrained) -> its modules' names:
+    the renames it makes as it loads (its conversion_mapping.py), the FFN's two layers being named ``fc1`` / ``fc2``
+    in the modules of this model."""
+    return [(r"\.out_proj\.", ".o_proj."), (r"\.layers\.(\d+)\.fc1\.", rf".layers.\1.{fc1}."),
+            (r"\.layers\.(\d+)\.fc2\.", rf".layers.\1.{fc2}."),
+            (r"^model\.encoder\.encoder\.(\d+)\.layers\.", r"model.encoder.aifi.\1.layers.")]
+
+
+# RT-DETR's, which the table above takes after them (conversion_mapping.py's "rt_detr").
+FILE_TO_MODULE_NAMES = file_to_module_names("mlp.fc1", "mlp.fc2")
 
 
 def module_names(state: Mapping[str, torch.Tensor], renames: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
@@ -98,6 +107,15 @@ def module_names(state: Mapping[str, torch.Tensor], renames: list[tuple[str, str
     return out
 
 
+def renamed(key: str, rules: list[tuple[re.Pattern, str]]) -> str:
+    """``key`` with its start rewritten by the first rule whose pattern matches there; unchanged when none does."""
+    for pattern, replacement in rules:
+        match = pattern.match(key)
+        if match:
+            return match.expand(replacement) + key[match.end():]
+    return key
+
+
 def is_transformers_state_dict(state: Mapping[str, torch.Tensor]) -> bool:
     """Whether ``state`` has transformers' RT-DETR names (its backbone's stem is there)."""
     return any(k.startswith("model.backbone.model.embedder.") for k in state)
@@ -107,12 +125,4 @@ def convert_transformers_state_dict(state: Mapping[str, torch.Tensor]) -> dict[s
     """``state`` (a model's ``state_dict()`` or a file's, :data:`FILE_TO_MODULE_NAMES`) with every key renamed by
     :data:`TRANSFORMERS_TO_PET`; keys no rule matches are kept as they are (the loader then reports them as
     unexpected, naming them)."""
-    out = {}
-    for key, value in module_names(state, FILE_TO_MODULE_NAMES).items():
-        for pattern, replacement in _RULES:
-            match = pattern.match(key)
-            if match:
-                key = match.expand(replacement) + key[match.end():]
-                break
-        out[key] = value
-    return out
+    return {renamed(key, _RULES): value for key, value in module_names(state, FILE_TO_MODULE_NAMES).items()}
