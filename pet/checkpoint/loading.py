@@ -136,8 +136,10 @@ def load_weights(model: torch.nn.Module, path: str, *, unsafe: bool = False, for
     mismatched = {k: (tuple(v.shape), tuple(own[k].shape)) for k, v in state.items()
                   if k in own and v.shape != own[k].shape}
     result = model.load_state_dict({k: v for k, v in state.items() if k not in mismatched}, strict=False)
+    filled = _tied_to_loaded(model, {k for k in state if k in own and k not in mismatched})
     report = {
-        "missing": [k for k in result.missing_keys if k not in mismatched and not k.endswith(_IGNORED_SUFFIXES)],
+        "missing": [k for k in result.missing_keys if k not in mismatched and k not in filled
+                    and not k.endswith(_IGNORED_SUFFIXES)],
         "unexpected": [k for k in result.unexpected_keys if not k.endswith(_IGNORED_SUFFIXES)],
         "mismatched": list(mismatched),
     }
@@ -159,6 +161,16 @@ def load_weights(model: torch.nn.Module, path: str, *, unsafe: bool = False, for
     if any(to_warn.values()):
         logger.warning(f"Weights in {path} that did not load:\n{_report_table(to_warn, mismatched)}")
     return report
+
+
+def _tied_to_loaded(model: torch.nn.Module, loaded: set[str]) -> set[str]:
+    """Keys of ``model`` whose tensor is one of the ``loaded`` keys' (one module under several names, as a box head
+    shared by every decoder layer): loading one name fills them all, and a file may hold only one (transformers'
+    save_pretrained keeps one name per tied tensor)."""
+    names: dict[int, list[str]] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), []).append(key)
+    return {key for aliases in names.values() if loaded.intersection(aliases) for key in aliases}
 
 
 def _random_parts_error(path: str, report: dict[str, list[str]], shapes: dict[str, tuple[tuple, tuple]],

@@ -13,7 +13,7 @@ from pet.modeling.backbone import build_backbone
 from pet.modeling.build import build_model
 from pet.modeling.cascade_rcnn import CascadeMaskRCNN, CascadeRCNN
 from pet.modeling.detector import Detector
-from pet.modeling.dfine import DFINE
+from pet.modeling.dfine import DEIMV2, DFINE
 from pet.modeling.export_graph import build_export_graph, register_export_graph
 from pet.modeling.faster_rcnn import FasterRCNN
 from pet.modeling.fcos import FCOS
@@ -41,6 +41,7 @@ __all__ = [
     "CascadeMaskRCNN",
     "RTDETR",
     "DFINE",
+    "DEIMV2",
     "HGNetV2",
 ]
 __all__ += registry.__all__

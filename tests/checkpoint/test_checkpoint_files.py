@@ -423,3 +423,21 @@ def test_hub_format_weights_load_from_the_safetensors_file_or_its_directory(tmp_
     broken.write_bytes(b"<!DOCTYPE html>\n<html></html>\n")
     with pytest.raises(ConfigError, match=f"^Cannot load {broken}: .*not a safetensors file"):
         load_checkpoint(str(broken.parent))
+
+
+def test_a_file_holding_one_name_of_a_shared_module_fills_every_name_of_it(tmp_path):
+    """A module used under several names (one head for every layer) is one tensor: a file that keeps one of its names,
+    as save_pretrained does, loads with nothing reported missing, also for inference."""
+    shared = torch.nn.Linear(2, 2)
+    model = torch.nn.ModuleDict({"heads": torch.nn.ModuleList([shared, shared]), "other": torch.nn.Linear(2, 1)})
+    state = {k: torch.randn_like(v) for k, v in model.state_dict().items() if not k.startswith("heads.1.")}
+    torch.save(state, tmp_path / "weights.pth")
+    fresh_shared = torch.nn.Linear(2, 2)
+    fresh = torch.nn.ModuleDict({"heads": torch.nn.ModuleList([fresh_shared, fresh_shared]),
+                                 "other": torch.nn.Linear(2, 1)})
+    assert load_weights(fresh, str(tmp_path / "weights.pth"), for_inference=True) == {
+        "missing": [], "unexpected": [], "mismatched": []}
+    assert torch.equal(fresh.heads[1].weight, state["heads.0.weight"])
+    unshared = torch.nn.ModuleDict({"heads": torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]),
+                                    "other": torch.nn.Linear(2, 1)})
+    assert load_weights(unshared, str(tmp_path / "weights.pth"))["missing"] == ["heads.1.weight", "heads.1.bias"]

@@ -1,5 +1,5 @@
-"""RT-DETR and D-FINE in two real processes (gloo on CPU): 2 processes x 1 image end with the weights of 1 process x 2
-images.
+"""RT-DETR, D-FINE and DEIMv2 in two real processes (gloo on CPU): 2 processes x 1 image end with the weights of 1
+process x 2 images (DEIMv2's dense one-to-one union is normalised by its size averaged over processes).
 
 What makes it hold: each process matches its own images (the Hungarian matching is per image, as in DETR and
 transformers' ``RTDetrLoss``), and the loss normaliser ``num_boxes`` is the objects of the whole batch averaged over
@@ -20,7 +20,7 @@ from pet.engine.trainer import Trainer
 from pet.modeling import build_model
 from support.helpers import detector_batch
 from support.processes import run_two_ranks
-from support.tiny_models import TINY_QUERY_DETECTORS
+from support.tiny_models import TINY_TRAINING_DETECTORS
 
 pytestmark = pytest.mark.numeric
 
@@ -46,7 +46,7 @@ def _frozen_bn(module: torch.nn.Module) -> None:
 
 
 def _cfg(family: str, *opts: str):
-    tiny = TINY_QUERY_DETECTORS[family]
+    tiny = TINY_TRAINING_DETECTORS[family]
     return tiny.cfg(f"MODEL.{tiny.node}.NUM_DENOISING", "0", *opts)
 
 
@@ -70,7 +70,7 @@ def _rank_worker(rank, init_file, family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", TINY_QUERY_DETECTORS)
+@pytest.mark.parametrize("family", TINY_TRAINING_DETECTORS)
 def test_two_processes_of_one_image_train_as_one_process_of_two(family, tmp_path):
     """Same weights within 1e-5 (float32; only the order of the sums differs) after 2 iterations."""
     torch.set_num_threads(1)

@@ -17,7 +17,7 @@ TINY = TINY_QUERY_DETECTORS["dfine"]
 def test_its_path_adds_its_keys_and_its_registered_name_says_to_use_the_path():
     cfg = TINY.cfg()
     assert cfg.MODEL.DFINE.NUM_BINS == 16 and cfg.MODEL.DFINE.REG_SCALE == 4.0
-    with pytest.raises(ConfigError, match="MODEL.DFINE is missing: name D-FINE by its path, MODEL.META_ARCHITECTURE "
+    with pytest.raises(ConfigError, match="MODEL.DFINE is missing: name DFINE by its path, MODEL.META_ARCHITECTURE "
                                           "pet.modeling.dfine.DFINE"):
         build_model(load_cfg(None, ["MODEL.META_ARCHITECTURE", "DFINE", "INPUT.SIZE_DIVISIBILITY", "32"]))
 
@@ -38,3 +38,21 @@ def test_two_levels_take_the_backbones_last_two():
     model = build_model(TINY.cfg("MODEL.DFINE.NUM_LEVELS", "2", "MODEL.DFINE.DECODER_POINTS", "[6, 6]"))
     assert [p.conv.in_channels for p in model.encoder.input_proj] == list(model.backbone.out_channels[-2:])
     assert model.decoder.layers[0].cross_attn.points == [6, 6]
+
+
+def test_the_defaults_are_the_references():
+    """MODEL.DFINE's defaults are DFineConfig()'s (D-FINE-L, but for its points: the L checkpoint's [3, 6, 3]) and,
+    for the DEIMv2-only keys, Deimv2Config()'s (but for the query head's activation: the authors' SiLU)."""
+    transformers = pytest.importorskip("transformers")
+    node, dfine, deimv2 = TINY.cfg().MODEL.DFINE, transformers.DFineConfig(), transformers.Deimv2Config()
+    defaults = load_cfg(None, ["MODEL.META_ARCHITECTURE", "pet.modeling.dfine.DFINE"]).MODEL.DFINE
+    assert (defaults.HIDDEN_DIM, defaults.ENCODER_FFN_DIM, defaults.DECODER_DIM, defaults.DECODER_LAYERS) == (
+        dfine.encoder_hidden_dim, dfine.encoder_ffn_dim, dfine.d_model, dfine.decoder_layers)
+    assert (defaults.NUM_BINS, defaults.REG_SCALE, defaults.UP, defaults.LQE_TOPK, defaults.LQE_HIDDEN_DIM) == (
+        dfine.max_num_bins, dfine.reg_scale, dfine.up, dfine.top_prob_values, dfine.lqe_hidden_dim)
+    assert (defaults.LOSS_FGL, defaults.LOSS_DDF, defaults.OFFSET_SCALE) == (
+        dfine.weight_loss_fgl, dfine.weight_loss_ddf, dfine.decoder_offset_scale)
+    assert (node.TRAILING_CONV, node.GATEWAY, node.SHARE_BOX_HEAD) == (
+        deimv2.encoder_has_trailing_conv, deimv2.use_gateway, deimv2.share_bbox_head)
+    assert (node.LOSS_MAL, node.MAL_ALPHA or None, node.DENSE_ONE_TO_ONE) == (
+        deimv2.weight_loss_mal, deimv2.mal_alpha, deimv2.use_dense_one_to_one)

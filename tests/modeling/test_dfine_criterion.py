@@ -26,7 +26,16 @@ from pet.modeling.dfine.config import add_config
 from pet.modeling.dfine.criterion import DFineCriterion, boxes_to_distances, distance_bins, prediction_sets
 from pet.modeling.dfine.distribution import distances_to_boxes, weighting_function
 from pet.modeling.rtdetr.matcher import HungarianMatcher
-from support.transformers_detr import randomised
+from support.transformers_detr import (
+    LOSS_TARGETS,
+    assert_same_losses,
+    decoder_outputs,
+    hgnetv2_config,
+    loss_cfg,
+    loss_targets,
+    random_images,
+    randomised,
+)
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.numeric
@@ -35,75 +44,14 @@ from transformers.loss import loss_d_fine  # noqa: E402  (after the skip: transf
 
 HEIGHT, WIDTH = 64, 96
 NUM_LABELS = 7
-# Per image (label, (cx, cy, w, h)): nearly the whole image, tiny, medium, two on the borders (predictions for them
-# reach past the image, so the [0, 1] clamp matters), tall, and images without objects.
-OBJECTS = [(1, (0.5, 0.5, 0.95, 0.9)), (3, (0.2, 0.3, 0.04, 0.05)), (0, (0.7, 0.6, 0.3, 0.5)),
-           (4, (0.96, 0.92, 0.08, 0.16)), (2, (0.03, 0.5, 0.06, 0.4))]
-TARGETS = {
-    "objects": [OBJECTS, [(6, (0.4, 0.5, 0.2, 0.3)), (2, (0.85, 0.15, 0.08, 0.12)), (5, (0.3, 0.6, 0.1, 0.7))]],
-    "one_empty": [OBJECTS, []],
-    "no_objects": [[], []],  # no matches anywhere, and no denoising queries
-}
-
-
 def reference_config(num_denoising: int) -> transformers.DFineConfig:
     """A D-FINE-S-shaped model shrunk: B0-like HGNetV2 with learnable affine blocks, 32-wide encoder and decoder."""
-    backbone = transformers.HGNetV2Config(
-        stem_channels=[3, 16, 16], stage_in_channels=[16, 64, 256, 512], stage_mid_channels=[16, 32, 64, 128],
-        stage_out_channels=[64, 256, 512, 1024], stage_num_blocks=[1, 1, 2, 1],
-        stage_downsample=[False, True, True, True], stage_light_block=[False, False, True, True],
-        stage_kernel_size=[3, 3, 5, 5], stage_numb_of_layers=[3, 3, 3, 3], hidden_sizes=[64, 256, 512, 1024],
-        depths=[1, 1, 2, 1], out_indices=[2, 3, 4], use_learnable_affine_block=True)
+    backbone = hgnetv2_config("B0", out_indices=(2, 3, 4))
     return transformers.DFineConfig(
         backbone_config=backbone, use_pretrained_backbone=False, encoder_in_channels=[256, 512, 1024],
         encoder_hidden_dim=32, encoder_ffn_dim=64, hidden_expansion=0.5, depth_mult=0.34, d_model=32,
         decoder_in_channels=[32, 32, 32], decoder_ffn_dim=64, decoder_layers=3, decoder_n_points=[3, 6, 3],
         num_queries=20, num_labels=NUM_LABELS, num_denoising=num_denoising)
-
-
-def pet_config(reference: transformers.DFineConfig):
-    """Pet's config with the reference's loss and matcher settings."""
-    cfg = get_default_cfg()
-    add_config(cfg)
-    cfg.MODEL.NUM_CLASSES = reference.num_labels
-    node = cfg.MODEL.DFINE
-    node.DECODER_LAYERS, node.NUM_QUERIES = reference.decoder_layers, reference.num_queries
-    node.NUM_DENOISING = reference.num_denoising
-    node.NUM_BINS, node.REG_SCALE, node.UP = reference.max_num_bins, reference.reg_scale, reference.up
-    node.LOSS_VFL, node.LOSS_BBOX, node.LOSS_GIOU = (reference.weight_loss_vfl, reference.weight_loss_bbox,
-                                                     reference.weight_loss_giou)
-    node.LOSS_FGL, node.LOSS_DDF = reference.weight_loss_fgl, reference.weight_loss_ddf
-    node.DDF_TEMPERATURE = 5.0  # the reference's loss_local(T=5): not a config value
-    node.FOCAL_ALPHA, node.FOCAL_GAMMA = reference.focal_loss_alpha, reference.focal_loss_gamma
-    node.COST_CLASS, node.COST_BBOX, node.COST_GIOU = (reference.matcher_class_cost, reference.matcher_bbox_cost,
-                                                       reference.matcher_giou_cost)
-    node.MATCHER_ALPHA, node.MATCHER_GAMMA = reference.matcher_alpha, reference.matcher_gamma
-    return cfg
-
-
-def pixels(seed: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (2, 3, HEIGHT, WIDTH), generator=generator).float() / 255
-
-
-def pet_targets(name: str) -> list[dict[str, torch.Tensor]]:
-    return [{"labels": torch.tensor([label for label, _ in image], dtype=torch.int64),
-             "boxes": torch.tensor([box for _, box in image], dtype=torch.float32).reshape(-1, 4)}
-            for image in TARGETS[name]]
-
-
-def pet_outputs(out) -> dict:
-    """The reference's training outputs as Pet's D-FINE decoder returns them: index 0 of the intermediate scores
-    and boxes is the pre-box head's, the rest one per layer; the anchors are the same for every layer."""
-    logits, boxes, anchors = out.intermediate_logits, out.intermediate_reference_points, out.initial_reference_points
-    assert all(torch.equal(anchors[:, 0], a) for a in anchors.unbind(1))
-    meta = out.denoising_meta_values
-    denoising = None if meta is None else {
-        "split": list(meta["dn_num_split"]), "groups": meta["dn_num_group"], "positive": list(meta["dn_positive_idx"])}
-    return {"pre_logits": logits[:, 0], "pre_boxes": boxes[:, 0], "logits": list(logits[:, 1:].unbind(1)),
-            "boxes": list(boxes[:, 1:].unbind(1)), "corners": list(out.intermediate_predicted_corners.unbind(1)),
-            "anchors": anchors[:, 0], "enc_logits": out.enc_topk_logits, "enc_boxes": out.enc_topk_bboxes,
-            "denoising": denoising}
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["denoising_off", "denoising_on"])
@@ -114,41 +62,26 @@ def reference(request):
     # The box heads get 0.2 rather than 0.02, so that the layers' edge distributions differ clearly (DDF ~0.1, not
     # ~1e-4): from zeros every distribution is uniform and DDF vanishes.
     model = randomised(transformers.DFineForObjectDetection(config), seed=0, scales={"bbox_embed": 0.2}).train()
-    return request.param, model, pet_config(config)
+    return request.param, model, loss_cfg(config)
 
 
-@pytest.mark.parametrize("targets", sorted(TARGETS))
+@pytest.mark.parametrize("targets", sorted(LOSS_TARGETS))
 def test_same_losses_and_gradients(reference, targets):
     """Same loss names, every term equal, and the same gradient of their sum with respect to every output the
     losses read (so the detached parts are the same too)."""
     denoising, model, cfg = reference
     torch.manual_seed(1)
-    labels = [{"class_labels": t["labels"], "boxes": t["boxes"]} for t in pet_targets(targets)]
-    out = model(pixel_values=pixels(), labels=labels)
+    labels = [{"class_labels": t["labels"], "boxes": t["boxes"]} for t in loss_targets(targets)]
+    out = model(pixel_values=random_images(HEIGHT, WIDTH).float() / 255, labels=labels)
     matcher = HungarianMatcher(cfg, "DFINE")
-    losses = DFineCriterion(cfg, NUM_LABELS)(pet_outputs(out), pet_targets(targets), matcher)
+    losses = DFineCriterion(cfg, NUM_LABELS)(decoder_outputs(out), loss_targets(targets), matcher)
 
-    assert sorted(losses) == sorted(out.loss_dict)
-    assert any("_dn_" in k for k in losses) == (denoising and targets != "no_objects")
-    assert {k for k in losses if "fgl" in k} >= {"loss_fgl_aux_0", "loss_fgl_aux_1"}
-    for name, value in out.loss_dict.items():
-        torch.testing.assert_close(losses[name], value, rtol=1e-5, atol=1e-6, msg=name)
-    assert all(losses[k] > 0 for k in ("loss_ddf_aux_0", "loss_ddf_aux_1")), "DDF must not vanish (weights random)"
-    # Without matches the distribution terms are still finite and in the graph (FGL 0, DDF the unmatched side).
-    assert all(torch.isfinite(v) for v in losses.values())
-    assert all(v.requires_grad for k, v in losses.items() if "fgl" in k or "ddf" in k)
-
-    read = [out.intermediate_logits, out.intermediate_reference_points, out.intermediate_predicted_corners,
-            out.enc_topk_logits, out.enc_topk_bboxes]
-    expected = torch.autograd.grad(out.loss, read, retain_graph=True)
-    actual = torch.autograd.grad(sum(losses.values()), read)
-    for name, a, e in zip(["logits", "boxes", "corners", "enc_logits", "enc_boxes"], actual, expected):
-        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-7, msg=name)
+    assert_same_losses(losses, out, denoising, targets)
 
     if targets == "objects":
-        below, above = _out_of_range(pet_outputs(out), pet_targets(targets), matcher, cfg)
+        below, above = _out_of_range(decoder_outputs(out), loss_targets(targets), matcher, cfg)
         assert below and above, "the targets should reach past both ends of W for some matched anchor"
-        assert _clamped_match(pet_outputs(out), pet_targets(targets), matcher), "the clamp should matter"
+        assert _clamped_match(decoder_outputs(out), loss_targets(targets), matcher), "the clamp should matter"
 
 
 def _clamped_match(outputs: dict, targets: list[dict], matcher) -> bool:
@@ -233,7 +166,7 @@ def test_default_config_is_the_references():
     """``MODEL.DFINE``'s loss and matcher defaults are ``DFineConfig()``'s."""
     cfg, reference = get_default_cfg(), transformers.DFineConfig()
     add_config(cfg)
-    node, expected = cfg.MODEL.DFINE, pet_config(reference).MODEL.DFINE
+    node, expected = cfg.MODEL.DFINE, loss_cfg(reference).MODEL.DFINE
     keys = ["NUM_BINS", "REG_SCALE", "UP", "LOSS_VFL", "LOSS_BBOX", "LOSS_GIOU", "LOSS_FGL", "LOSS_DDF",
             "DDF_TEMPERATURE", "FOCAL_ALPHA", "FOCAL_GAMMA", "COST_CLASS", "COST_BBOX", "COST_GIOU", "MATCHER_ALPHA",
             "MATCHER_GAMMA"]

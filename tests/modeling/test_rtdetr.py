@@ -1,7 +1,7 @@
 """RT-DETR as a Pet detector: it trains (images without objects included), follows the batch contract at test
 time, loads transformers' weights files with readable errors, trains its backbone at BACKBONE_LR_FACTOR, runs
 through train_net / test_net / predict with its stage timers, and the documented extension examples work. D-FINE, of
-the same family, runs through the tools and resumes bit-identically too.
+the same family, runs through the tools and resumes bit-identically too, and DEIMv2 resumes so.
 
 Every model here is tiny (8-channel stem, 16-channel encoder and decoder, 2 decoder layers, 20 queries).
 """
@@ -19,7 +19,7 @@ from pet.modeling import build_model
 from pet.modeling.rtdetr import RTDETR_MATCHER_REGISTRY
 from pet.utils.errors import ConfigError
 from support.helpers import detector_batch, doc_block, run_tool_here, tiny_set_opts
-from support.tiny_models import TINY_QUERY_DETECTORS, tiny_rtdetr_cfg
+from support.tiny_models import TINY_QUERY_DETECTORS, TINY_TRAINING_DETECTORS, tiny_rtdetr_cfg
 
 LOSS_NAMES = {f"loss_{term}{suffix}" for term in ("vfl", "bbox", "giou")
               for suffix in ("", "_aux_0", "_aux_1", "_dn_0", "_dn_1")}
@@ -141,12 +141,12 @@ def test_train_and_test_through_the_tools_with_stage_timers(family, tiny_set, tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", TINY_QUERY_DETECTORS)
+@pytest.mark.parametrize("family", TINY_TRAINING_DETECTORS)
 def test_resume_is_bit_identical_denoising_noise_included(family, tiny_set, tmp_path, monkeypatch, capsys):
     """2 iterations straight, and the same run resumed from its checkpoint after iteration 1, end with the same
     weights: the denoising noise comes from the RNG state the checkpoint restores; the matching is deterministic."""
     ckpt = str(tmp_path / "run")
-    tiny = TINY_QUERY_DETECTORS[family]
+    tiny = TINY_TRAINING_DETECTORS[family]
     opts = [*tiny_set_opts(tiny_set, ckpt, max_iter=2, checkpoint_period=1), *tiny.opts,
             "SOLVER.AMP.ENABLED", "False", "TRAIN.AUTO_RESUME", "True"]
     assert run_tool_here(monkeypatch, capsys, "train_net.py", "--cfg", tiny.cfg_file, *opts)[0] == 0

@@ -58,6 +58,11 @@ class TinyQueryDetector:
 
 TINY_QUERY_DETECTORS = {"rtdetr": TinyQueryDetector(RTDETR_SHAPES_CFG, tuple(TINY_RTDETR), "RTDETR"),
                         "dfine": TinyQueryDetector(DFINE_SHAPES_CFG, tuple(TINY_DFINE), "DFINE")}
+# DEIMv2 on D-FINE's tiny config: what differs from D-FINE is its training (MAL, dense one-to-one matching), which the
+# tests of training (resume, two processes) run it for; its export graph and prediction are D-FINE's.
+TINY_DEIMV2 = TinyQueryDetector(DFINE_SHAPES_CFG, (*TINY_DFINE, "MODEL.META_ARCHITECTURE", "pet.modeling.dfine.DEIMV2"),
+                                "DFINE")
+TINY_TRAINING_DETECTORS = {**TINY_QUERY_DETECTORS, "deimv2": TINY_DEIMV2}
 
 
 def randomize_norms(model: torch.nn.Module, seed: int = 0) -> None:

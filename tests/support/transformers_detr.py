@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pet.config import get_default_cfg
+from pet.modeling.dfine.config import add_config
 from pet.modeling.hgnetv2 import HGNETV2_VARIANTS
 from support.against_reference import Tolerance, match_detections
 
@@ -184,3 +186,81 @@ def random_images(height: int, width: int, seed: int = 0, batch: int = 2) -> tor
     """Seeded uint8 noise ``[batch, 3, height, width]``."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (batch, 3, height, width), dtype=torch.uint8, generator=generator)
+
+
+# The loss tests' objects, per image (label, (cx, cy, w, h)): nearly the whole image, tiny, medium, two on the borders
+# (predictions for them reach past the image, so the [0, 1] clamp matters), tall; and images without objects.
+_OBJECTS = [(1, (0.5, 0.5, 0.95, 0.9)), (3, (0.2, 0.3, 0.04, 0.05)), (0, (0.7, 0.6, 0.3, 0.5)),
+            (4, (0.96, 0.92, 0.08, 0.16)), (2, (0.03, 0.5, 0.06, 0.4))]
+LOSS_TARGETS = {
+    "objects": [_OBJECTS, [(6, (0.4, 0.5, 0.2, 0.3)), (2, (0.85, 0.15, 0.08, 0.12)), (5, (0.3, 0.6, 0.1, 0.7))]],
+    "one_empty": [_OBJECTS, []],
+    "no_objects": [[], []],  # no matches anywhere, and no denoising queries
+}
+
+
+def loss_targets(name: str) -> list[dict[str, torch.Tensor]]:
+    """:data:`LOSS_TARGETS` ``name`` as the criteria take them: 0-based ``labels``, (cx, cy, w, h) ``boxes``."""
+    return [{"labels": torch.tensor([label for label, _ in image], dtype=torch.int64),
+             "boxes": torch.tensor([box for _, box in image], dtype=torch.float32).reshape(-1, 4)}
+            for image in LOSS_TARGETS[name]]
+
+
+def decoder_outputs(out: Any) -> dict:
+    """transformers' D-FINE / DEIMv2 training outputs as Pet's D-FINE decoder returns them: index 0 of the
+    intermediate scores and boxes is the pre-box head's, the rest one per layer; the anchors are the same for every
+    layer; the denoising meta values under Pet's names."""
+    logits, boxes, anchors = out.intermediate_logits, out.intermediate_reference_points, out.initial_reference_points
+    assert all(torch.equal(anchors[:, 0], a) for a in anchors.unbind(1))
+    meta = out.denoising_meta_values
+    denoising = None if meta is None else {
+        "split": list(meta["dn_num_split"]), "groups": meta["dn_num_group"], "positive": list(meta["dn_positive_idx"])}
+    return {"pre_logits": logits[:, 0], "pre_boxes": boxes[:, 0], "logits": list(logits[:, 1:].unbind(1)),
+            "boxes": list(boxes[:, 1:].unbind(1)), "corners": list(out.intermediate_predicted_corners.unbind(1)),
+            "anchors": anchors[:, 0], "enc_logits": out.enc_topk_logits, "enc_boxes": out.enc_topk_bboxes,
+            "denoising": denoising}
+
+
+def loss_cfg(reference: Any) -> Any:
+    """Pet's config (``MODEL.DFINE``) with a transformers D-FINE / DEIMv2 config's loss and matcher settings."""
+    cfg = get_default_cfg()
+    add_config(cfg)
+    cfg.MODEL.NUM_CLASSES = reference.num_labels
+    node = cfg.MODEL.DFINE
+    node.DECODER_LAYERS, node.NUM_QUERIES = reference.decoder_layers, reference.num_queries
+    node.NUM_DENOISING = reference.num_denoising
+    node.NUM_BINS, node.REG_SCALE, node.UP = reference.max_num_bins, reference.reg_scale, reference.up
+    node.LOSS_VFL, node.LOSS_BBOX, node.LOSS_GIOU = (reference.weight_loss_vfl, reference.weight_loss_bbox,
+                                                     reference.weight_loss_giou)
+    node.LOSS_FGL, node.LOSS_DDF = reference.weight_loss_fgl, reference.weight_loss_ddf
+    node.DDF_TEMPERATURE = 5.0  # the reference's loss_local(T=5): not a config value
+    node.FOCAL_ALPHA, node.FOCAL_GAMMA = reference.focal_loss_alpha, reference.focal_loss_gamma
+    node.COST_CLASS, node.COST_BBOX, node.COST_GIOU = (reference.matcher_class_cost, reference.matcher_bbox_cost,
+                                                       reference.matcher_giou_cost)
+    node.MATCHER_ALPHA, node.MATCHER_GAMMA = reference.matcher_alpha, reference.matcher_gamma
+    if hasattr(reference, "weight_loss_mal"):  # DEIMv2 (MAL_ALPHA 0 for the reference's None)
+        node.LOSS_MAL, node.MAL_ALPHA = reference.weight_loss_mal, reference.mal_alpha or 0.0
+        node.DENSE_ONE_TO_ONE = reference.use_dense_one_to_one
+    return cfg
+
+
+def assert_same_losses(losses: dict[str, torch.Tensor], out: Any, denoising: bool, targets: str) -> None:
+    """Pet's criterion's ``losses`` against transformers' training output ``out`` (its ``loss_dict``, on
+    :func:`loss_targets` ``targets``): the same names, every term equal (1e-5 relative), the distribution terms
+    finite and in the graph (DDF not vanishing with these weights), and the same gradient of their sum with respect
+    to every output the losses read (so what each side detaches is the same too)."""
+    assert sorted(losses) == sorted(out.loss_dict)
+    assert any("_dn_" in k for k in losses) == (denoising and targets != "no_objects")
+    assert {k for k in losses if "fgl" in k} >= {"loss_fgl_aux_0", "loss_fgl_aux_1"}
+    for name, value in out.loss_dict.items():
+        torch.testing.assert_close(losses[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert all(losses[k] > 0 for k in ("loss_ddf_aux_0", "loss_ddf_aux_1")), "DDF must not vanish (weights random)"
+    # Without matches the distribution terms are still finite and in the graph (FGL 0, DDF the unmatched side).
+    assert all(torch.isfinite(v) for v in losses.values())
+    assert all(v.requires_grad for k, v in losses.items() if "fgl" in k or "ddf" in k)
+    read = [out.intermediate_logits, out.intermediate_reference_points, out.intermediate_predicted_corners,
+            out.enc_topk_logits, out.enc_topk_bboxes]
+    expected = torch.autograd.grad(out.loss, read, retain_graph=True)
+    actual = torch.autograd.grad(sum(losses.values()), read, retain_graph=True)
+    for name, a, e in zip(["logits", "boxes", "corners", "enc_logits", "enc_boxes"], actual, expected):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-7, msg=name)

@@ -1,5 +1,6 @@
-"""D-FINE's config keys, ``MODEL.DFINE``: added by :func:`add_config` when a config names the detector by its path
-(``MODEL.META_ARCHITECTURE: pet.modeling.dfine.DFINE``), as any plugin detector's keys are (``pet.config``).
+"""D-FINE's (and DEIMv2's) config keys, ``MODEL.DFINE``: added by :func:`add_config` when a config names the
+detector by its path (``MODEL.META_ARCHITECTURE: pet.modeling.dfine.DFINE`` or ``pet.modeling.dfine.DEIMV2``), as any
+plugin detector's keys are (``pet.config``).
 
 The defaults are D-FINE-L's (transformers' ``DFineConfig()`` with the published L checkpoint's sampling points);
 ``cfgs/coco/dfine_hgnetv2_{N,S,M,L,X}.yaml`` set what each size changes.
@@ -64,6 +65,18 @@ def add_config(cfg: CfgNode) -> None:
     node.DDF_TEMPERATURE = 5.0
     node.FOCAL_ALPHA = 0.75
     node.FOCAL_GAMMA = 2.0
+    # DEIMv2 only (MODEL.META_ARCHITECTURE pet.modeling.dfine.DEIMV2; D-FINE ignores them): its fusion blocks' CSP
+    # layers end with a 3x3 conv (N and S; M, L and X do without); the cross-attention's gateway (False: a residual
+    # sum and RMSNorm); one box head for all decoder layers; the query position head's activation (the authors'
+    # SiLU); the matchability-aware loss (MAL) weight and alpha (0: none), which replaces the varifocal loss; dense
+    # one-to-one matching (the union of every layer's matches) for the box and distribution losses.
+    node.TRAILING_CONV = True
+    node.GATEWAY = True
+    node.SHARE_BOX_HEAD = False
+    node.QUERY_POS_ACTIVATION = "silu"
+    node.LOSS_MAL = 1.0
+    node.MAL_ALPHA = 0.0
+    node.DENSE_ONE_TO_ONE = True
     # Test time: keep the DETECTIONS_PER_IMAGE best (query, class) scores above SCORE_THRESH_TEST. No NMS.
     node.DETECTIONS_PER_IMAGE = 300
     node.SCORE_THRESH_TEST = 0.0

@@ -162,6 +162,9 @@ class DFineCriterion(RTDETRCriterion):
     ``corners``, the ``anchors`` the distances are measured from, ``enc_logits``, ``enc_boxes``, ``denoising``),
     ``targets`` per image ``labels`` (0-based) and ``boxes`` (cx, cy, w, h in [0, 1])."""
 
+    #: The classification term's name (a subclass with another classification loss renames it).
+    label_loss = "loss_vfl"
+
     def __init__(self, cfg: CfgNode, num_classes: int) -> None:
         super().__init__(cfg, num_classes, node_name="DFINE")
         node = cfg.MODEL.DFINE
@@ -209,16 +212,28 @@ class DFineCriterion(RTDETRCriterion):
         losses: dict[str, torch.Tensor] = {}
         for pset in sets:
             losses.update(self.set_losses(pset, targets, matcher(pset.logits, pset.boxes, targets), num_boxes))
-        if dn_sets:
-            denoising = outputs["denoising"]
-            matches = denoising_matches(denoising, targets)
-            for pset in dn_sets:
-                losses.update(self.set_losses(pset, targets, matches, num_boxes * denoising["groups"]))
-        # The shifted layout supervises the scores of layer L-2 (of the pre-box head with one layer) only through the
-        # denoising queries, which a process without objects (or NUM_DENOISING 0) has none of: their class head and
-        # quality head join the graph with weight 0, so that DistributedDataParallel, which all-reduces every
-        # parameter's gradient at every step, finds one in every process (as RT-DETR's label embedding).
-        unsupervised = ([outputs["pre_logits"], *outputs["logits"]])[-2]
-        losses["loss_vfl"] = losses["loss_vfl"] + 0.0 * unsupervised.sum()
+        losses.update(self.denoising_losses(outputs, dn_sets, targets, num_boxes))
+        return self.keep_unsupervised_in_graph(losses, outputs)
+
+    def denoising_losses(self, outputs: dict, dn_sets: list[PredictionSet], targets: list[dict],
+                         num_boxes: float) -> dict[str, torch.Tensor]:
+        """The denoising sets' terms: matched by construction, normalised by ``num_boxes`` times the groups."""
+        if not dn_sets:
+            return {}
+        denoising = outputs["denoising"]
+        matches = denoising_matches(denoising, targets)
+        losses: dict[str, torch.Tensor] = {}
+        for pset in dn_sets:
+            losses.update(self.set_losses(pset, targets, matches, num_boxes * denoising["groups"]))
         return losses
 
+    def keep_unsupervised_in_graph(self, losses: dict[str, torch.Tensor], outputs: dict) -> dict[str, torch.Tensor]:
+        """``losses`` with the never supervised scores joined to its :attr:`label_loss` term with weight 0.
+
+        The shifted layout supervises the scores of layer L-2 (of the pre-box head with one layer) only through the
+        denoising queries, which a process without objects (or NUM_DENOISING 0) has none of: their class head and
+        quality head join the graph with weight 0, so that DistributedDataParallel, which all-reduces every
+        parameter's gradient at every step, finds one in every process (as RT-DETR's label embedding)."""
+        unsupervised = ([outputs["pre_logits"], *outputs["logits"]])[-2]
+        losses[self.label_loss] = losses[self.label_loss] + 0.0 * unsupervised.sum()
+        return losses

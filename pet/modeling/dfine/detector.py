@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 import torch
 from fvcore.common.config import CfgNode
+from torch import nn
 
 from pet.modeling.build import META_ARCH_REGISTRY
 from pet.modeling.dfine.criterion import DFineCriterion
@@ -41,34 +42,47 @@ class DFINE(QueryDetector):
 
     def __init__(self, cfg: CfgNode) -> None:
         if "DFINE" not in cfg.MODEL:
-            raise ConfigError("MODEL.DFINE is missing: name D-FINE by its path, MODEL.META_ARCHITECTURE "
-                              "pet.modeling.dfine.DFINE, so that its config keys are added (or call "
+            name = type(self).__name__
+            raise ConfigError(f"MODEL.DFINE is missing: name {name} by its path, MODEL.META_ARCHITECTURE "
+                              f"pet.modeling.dfine.{name}, so that its config keys are added (or call "
                               "pet.modeling.dfine.add_config(cfg) before setting them).")
         super().__init__(cfg, "DFINE")
         node = cfg.MODEL.DFINE
         levels = list(self.backbone.out_channels)
         if not 1 < node.NUM_LEVELS <= len(levels):
             raise ConfigError(f"MODEL.DFINE.NUM_LEVELS {node.NUM_LEVELS}: the backbone returns {len(levels)} levels; "
-                              f"D-FINE uses the last 2 or 3 of them.")
+                              f"{type(self).__name__} uses the last 2 or 3 of them.")
         points = list(node.DECODER_POINTS)
         if len(points) != node.NUM_LEVELS:
             raise ConfigError(f"MODEL.DFINE.DECODER_POINTS {points} needs one number of sampling points per level "
                               f"(MODEL.DFINE.NUM_LEVELS {node.NUM_LEVELS}).")
-        dim = node.HIDDEN_DIM
-        self.encoder = DFineHybridEncoder(levels[-node.NUM_LEVELS:], dim, num_heads=node.ENCODER_HEADS,
-                                          ffn_dim=node.ENCODER_FFN_DIM, num_layers=node.ENCODER_LAYERS,
-                                          expansion=node.EXPANSION, depth_mult=node.DEPTH_MULT)
+        self.encoder = self.build_encoder(node, levels[-node.NUM_LEVELS:])
         denoising = ContrastiveDenoising(node.DECODER_DIM, self.num_classes, node.NUM_DENOISING,
                                          node.LABEL_NOISE_RATIO, node.BOX_NOISE_SCALE)
-        self.decoder = DFineDecoder(dim, node.DECODER_DIM, self.num_classes, num_queries=node.NUM_QUERIES,
+        self.decoder = DFineDecoder(node.HIDDEN_DIM, node.DECODER_DIM, self.num_classes, num_queries=node.NUM_QUERIES,
                                     num_layers=node.DECODER_LAYERS, num_heads=node.DECODER_HEADS,
                                     ffn_dim=node.DECODER_FFN_DIM, points=points, offset_scale=node.OFFSET_SCALE,
                                     num_bins=node.NUM_BINS, reg_scale=node.REG_SCALE, up=node.UP,
                                     lqe_topk=node.LQE_TOPK, lqe_hidden_dim=node.LQE_HIDDEN_DIM,
-                                    lqe_layers=node.LQE_LAYERS, denoising=denoising)
-        self.criterion = DFineCriterion(cfg, self.num_classes)
+                                    lqe_layers=node.LQE_LAYERS, denoising=denoising, **self.decoder_options(node))
+        self.criterion = self.build_criterion(cfg)
         if cfg.MODEL.CHANNELS_LAST:
             self.to(memory_format=torch.channels_last)
+
+    @staticmethod
+    def build_encoder(node: CfgNode, in_channels: list[int]) -> nn.Module:
+        """D-FINE's hybrid encoder on the backbone levels of ``in_channels``."""
+        return DFineHybridEncoder(in_channels, node.HIDDEN_DIM, num_heads=node.ENCODER_HEADS,
+                                  ffn_dim=node.ENCODER_FFN_DIM, num_layers=node.ENCODER_LAYERS,
+                                  expansion=node.EXPANSION, depth_mult=node.DEPTH_MULT)
+
+    @staticmethod
+    def decoder_options(node: CfgNode) -> dict:
+        """What the decoder's layers and heads are made of beyond their sizes (D-FINE's: the defaults)."""
+        return {}
+
+    def build_criterion(self, cfg: CfgNode) -> nn.Module:
+        return DFineCriterion(cfg, self.num_classes)
 
     @staticmethod
     def convert_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

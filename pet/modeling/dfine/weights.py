@@ -89,16 +89,18 @@ def is_transformers_state_dict(state: Mapping[str, torch.Tensor]) -> bool:
     return any(k.startswith(_BACKBONE + "embedder.") for k in state)
 
 
-def convert_transformers_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def convert_transformers_state_dict(state: Mapping[str, torch.Tensor], *, backbone_prefix: str = _BACKBONE,
+                                    rules: list[tuple[re.Pattern, str]] = _RULES) -> dict[str, torch.Tensor]:
     """``state`` (a model's ``state_dict()`` or a file's, :data:`FILE_TO_MODULE_NAMES`) under Pet's names. The
-    backbone's keys must all map (else a ConfigError names them); other keys no rule matches are kept as they are,
-    for the loader to report as unexpected. A top-level head that is also in the file under the decoder's name is
-    dropped: the decoder's copy is the one transformers' forward uses."""
+    backbone's keys (under ``backbone_prefix``) must all map (else a ConfigError names them); other keys go through
+    ``rules`` (DEIMv2 passes its own), and those no rule matches are kept as they are, for the loader to report as
+    unexpected. A top-level head that is also in the file under the decoder's name is dropped: the decoder's copy is
+    the one transformers' forward uses."""
     state = module_names(state, FILE_TO_MODULE_NAMES)
-    backbone = {k[len(_BACKBONE):]: v for k, v in state.items() if k.startswith(_BACKBONE)}
+    backbone = {k[len(backbone_prefix):]: v for k, v in state.items() if k.startswith(backbone_prefix)}
     out = {f"backbone.{k}": v for k, v in hgnetv2_state_dict_from_transformers(backbone).items()}
     for key, value in state.items():
         tied_copy = key.startswith(("class_embed.", "bbox_embed.")) and f"model.decoder.{key}" in state
-        if not key.startswith(_BACKBONE) and not tied_copy:
-            out[renamed(key, _RULES)] = value
+        if not key.startswith(backbone_prefix) and not tied_copy:
+            out[renamed(key, rules)] = value
     return out

@@ -21,7 +21,7 @@ from torchvision.ops import box_convert, box_iou, generalized_box_iou
 from pet.modeling.rtdetr.matcher import Matches
 from pet.utils.comm import get_world_size
 
-__all__ = ["RTDETRCriterion", "prediction_index", "denoising_matches", "objects_per_process"]
+__all__ = ["RTDETRCriterion", "prediction_index", "denoising_matches", "objects_per_process", "mean_over_processes"]
 
 
 def _matched_giou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -42,17 +42,23 @@ class RTDETRCriterion(nn.Module):
         self.weights = {"loss_vfl": node.LOSS_VFL, "loss_bbox": node.LOSS_BBOX, "loss_giou": node.LOSS_GIOU}
         self.losses = [self.loss_vfl, self.loss_boxes]
 
-    def loss_vfl(self, logits: torch.Tensor, boxes: torch.Tensor, targets: list[dict], matches: Matches,
-                 num_boxes: float) -> dict[str, torch.Tensor]:
+    def matched_classes_and_ious(self, logits: torch.Tensor, boxes: torch.Tensor, targets: list[dict],
+                                 matches: Matches) -> tuple[torch.Tensor, torch.Tensor]:
+        """The one-hot matched class of every prediction ``[B, Q, C]`` (all 0 when unmatched) and the IoU of each
+        matched (detached) box with its object ``[B, Q]`` (0 when unmatched): the targets of the IoU-aware losses."""
         idx = prediction_index(matches)
         gt_boxes = torch.cat([t["boxes"][j] for t, (_, j) in zip(targets, matches)])
         ious = box_iou(box_convert(boxes[idx].detach(), "cxcywh", "xyxy"), box_convert(gt_boxes, "cxcywh", "xyxy"))
         classes = torch.full(logits.shape[:2], self.num_classes, dtype=torch.int64, device=logits.device)
         classes[idx] = torch.cat([t["labels"][j] for t, (_, j) in zip(targets, matches)])
-        onehot = F.one_hot(classes, self.num_classes + 1)[..., :-1]
-        score = torch.zeros(logits.shape[:2], dtype=logits.dtype, device=logits.device)
-        score[idx] = torch.diag(ious).to(logits.dtype)
-        score = score.unsqueeze(-1) * onehot
+        matched_ious = torch.zeros(logits.shape[:2], dtype=logits.dtype, device=logits.device)
+        matched_ious[idx] = torch.diag(ious).to(logits.dtype)
+        return F.one_hot(classes, self.num_classes + 1)[..., :-1], matched_ious
+
+    def loss_vfl(self, logits: torch.Tensor, boxes: torch.Tensor, targets: list[dict], matches: Matches,
+                 num_boxes: float) -> dict[str, torch.Tensor]:
+        onehot, ious = self.matched_classes_and_ious(logits, boxes, targets, matches)
+        score = ious.unsqueeze(-1) * onehot
         weight = self.alpha * logits.detach().sigmoid().pow(self.gamma) * (1 - onehot) + score
         loss = F.binary_cross_entropy_with_logits(logits, score, weight=weight.to(logits.dtype), reduction="none")
         return {"loss_vfl": loss.mean(1).sum() * logits.shape[1] / num_boxes}
@@ -111,8 +117,13 @@ def denoising_matches(denoising: dict, targets: list[dict]) -> Matches:
 def objects_per_process(targets: list[dict], device: torch.device) -> float:
     """Objects per process averaged over processes (at least 1): each process normalises its losses by it, so
     the gradient averaged by DDP is that of the whole batch's loss (DETR's normalisation)."""
-    count = torch.tensor([float(sum(len(t["labels"]) for t in targets))], device=device)
+    return mean_over_processes(sum(len(t["labels"]) for t in targets), device)
+
+
+def mean_over_processes(count: float, device: torch.device) -> float:
+    """``count`` averaged over the processes (all-reduced; as it is in one process), at least 1."""
+    total = torch.tensor([float(count)], device=device)
     if get_world_size() > 1:
-        dist.all_reduce(count)
-        count /= get_world_size()
-    return max(count.item(), 1.0)
+        dist.all_reduce(total)
+        total /= get_world_size()
+    return max(total.item(), 1.0)

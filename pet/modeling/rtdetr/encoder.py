@@ -79,7 +79,8 @@ class HybridEncoder(nn.Module):
     maps at the same strides.
 
     The three kinds of CCFM parts are made by :meth:`lateral_conv`, :meth:`fusion_block` and :meth:`downsample_conv`,
-    which a variant overrides (D-FINE's encoder, :class:`pet.modeling.dfine.encoder.DFineHybridEncoder`).
+    and two maps meet in :meth:`fuse`, which a variant overrides (D-FINE's and DEIMv2's encoders,
+    :mod:`pet.modeling.dfine.encoder`).
     """
 
     def __init__(self, in_channels: list[int], dim: int, *, num_heads: int, ffn_dim: int, num_layers: int,
@@ -107,6 +108,10 @@ class HybridEncoder(nn.Module):
         """The stride-2 conv taking a fused map onto the next coarser level in the bottom-up pass."""
         return ConvNorm(self.dim, self.dim, 3, 2, activation="silu")
 
+    def fuse(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Two maps of one level into the fusion block's input: concatenated (so its input has ``2 * dim`` channels)."""
+        return torch.cat([a, b], dim=1)
+
     def forward(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
         features = features[len(features) - len(self.input_proj):]
         maps = [proj(f) for proj, f in zip(self.input_proj, features)]
@@ -123,9 +128,9 @@ class HybridEncoder(nn.Module):
         for i, (lateral, block) in enumerate(zip(self.lateral_convs, self.fpn_blocks)):
             inner[-1] = lateral(inner[-1])
             up = F.interpolate(inner[-1], scale_factor=2.0, mode="nearest")
-            inner.append(block(torch.cat([up, maps[-2 - i]], dim=1)))
+            inner.append(block(self.fuse(up, maps[-2 - i])))
         inner.reverse()
         outs = [inner[0]]
         for i, (down, block) in enumerate(zip(self.downsample_convs, self.pan_blocks)):
-            outs.append(block(torch.cat([down(outs[-1]), inner[i + 1]], dim=1)))
+            outs.append(block(self.fuse(down(outs[-1]), inner[i + 1])))
         return outs

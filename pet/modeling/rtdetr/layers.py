@@ -28,18 +28,20 @@ class ConvNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """``num_layers`` linear layers with ReLU between them (DETR's box and query-position heads)."""
+    """``num_layers`` linear layers with an activation between them, ReLU by default (DETR's box and query-position
+    heads)."""
 
-    def __init__(self, in_dim: int, hidden_dim: int, out_dim: int, num_layers: int) -> None:
+    def __init__(self, in_dim: int, hidden_dim: int, out_dim: int, num_layers: int, activation: str = "relu") -> None:
         super().__init__()
         dims = [in_dim] + [hidden_dim] * (num_layers - 1)
         self.layers = nn.ModuleList(nn.Linear(i, o) for i, o in zip(dims, dims[1:] + [out_dim]))
+        self.act = ACTIVATIONS[activation]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
             x = layer(x)
             if i < len(self.layers) - 1:
-                x = F.relu(x)
+                x = self.act(x)
         return x
 
 
