@@ -55,6 +55,7 @@ def load_checkpoint(path: str, *, unsafe: bool = False) -> Any:
     A ``.safetensors`` file (the Hugging Face hub's format: tensors only, nothing to unpickle) is read with
     safetensors, and a directory as the hub lays one out, through its ``model.safetensors`` (or
     ``pytorch_model.bin``)."""
+    path = os.fspath(path)
     if os.path.isdir(path):
         found = [os.path.join(path, name) for name in HUB_WEIGHTS_FILES if os.path.isfile(os.path.join(path, name))]
         if not found:

@@ -23,10 +23,12 @@ def test_each_benchmark_pair_holds_the_same_weights(arch, monkeypatch):
 
 
 @pytest.mark.numeric
-def test_the_rtdetr_pair_holds_the_same_weights():
-    """tools/benchmark.py rtdetr: Pet's RT-DETR and transformers' give the same top scores on the same pixels."""
+@pytest.mark.parametrize("model", ["rtdetr-r18", "dfine-l"])
+def test_the_rtdetr_pair_holds_the_same_weights(model):
+    """tools/benchmark.py rtdetr: Pet's RT-DETR (D-FINE) and transformers' give the same top scores on the same
+    pixels."""
     pytest.importorskip("transformers")
-    pet_model, reference, processor = _pair("contiguous", os.path.join(ROOT, "cfgs"))
+    pet_model, reference, processor = _pair("contiguous", model, os.path.join(ROOT, "cfgs"))
     images, targets, _ = _scene(1, 160)
     with torch.no_grad():
         ours = pet_model.eval()(images, targets)[0]
