@@ -38,6 +38,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from fvcore.common.config import CfgNode
 from torch import nn
@@ -46,6 +47,7 @@ from torchvision.ops import box_convert, box_iou
 from pet.modeling.dfine.distribution import weighting_function
 from pet.modeling.rtdetr.criterion import RTDETRCriterion, denoising_matches, objects_per_process, prediction_index
 from pet.modeling.rtdetr.matcher import Matches
+from pet.utils.comm import get_world_size
 
 __all__ = ["DFineCriterion", "PredictionSet", "prediction_sets", "boxes_to_distances", "distance_bins",
            "fine_grained_localization", "decoupled_distillation"]
@@ -150,9 +152,19 @@ def decoupled_distillation(corners: torch.Tensor, teacher: torch.Tensor, weights
                   reduction="none").sum(-1)
     loss = weights.detach().flatten().repeat_interleave(4) * temperature**2 * kl
     mask = matched.flatten().repeat_interleave(4)
-    num_pos, num_neg = (mask.sum() * (1 / size)) ** 0.5, ((~mask).sum() * (1 / size)) ** 0.5
-    pos = loss[mask].mean() if mask.any() else 0
-    neg = loss[~mask].mean() if (~mask).any() else 0
+    # The means and weights are the whole batch's: with several processes, each process's share of the sums over
+    # the batch's counts (all-reduced), times the processes (DDP averages the gradients), so two processes of one
+    # image train as one of two; in one process this is the reference's per-batch mean.
+    counts = torch.stack([mask.sum(), (~mask).sum()]).to(loss.dtype)
+    batch = torch.tensor(float(size), dtype=loss.dtype, device=loss.device)
+    world = get_world_size()
+    if world > 1:
+        dist.all_reduce(counts)
+        batch = batch * world
+    rows_pos, rows_neg = counts
+    num_pos, num_neg = (rows_pos * (1 / batch)) ** 0.5, (rows_neg * (1 / batch)) ** 0.5
+    pos = loss[mask].sum() / rows_pos * world if rows_pos > 0 else 0
+    neg = loss[~mask].sum() / rows_neg * world if rows_neg > 0 else 0
     return (pos * num_pos + neg * num_neg) / (num_pos + num_neg)
 
 
