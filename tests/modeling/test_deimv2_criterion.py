@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pet.modeling.dfine.criterion import prediction_sets
-from pet.modeling.dfine.deimv2_criterion import Deimv2Criterion, dense_one_to_one
+from pet.modeling.dfine.criterion import dense_one_to_one, prediction_sets
+from pet.modeling.dfine.deimv2_criterion import Deimv2Criterion
 from pet.modeling.rtdetr.matcher import HungarianMatcher
 from support.transformers_detr import (
     LOSS_TARGETS,

@@ -23,9 +23,16 @@ import torch
 
 from pet.config import get_default_cfg
 from pet.modeling.dfine.config import add_config
-from pet.modeling.dfine.criterion import DFineCriterion, boxes_to_distances, distance_bins, prediction_sets
+from pet.modeling.dfine.criterion import (
+    DFineCriterion,
+    boxes_to_distances,
+    dense_one_to_one,
+    distance_bins,
+    prediction_sets,
+)
 from pet.modeling.dfine.distribution import distances_to_boxes, weighting_function
 from pet.modeling.rtdetr.matcher import HungarianMatcher
+from pet.utils.errors import ConfigError
 from support.transformers_detr import (
     LOSS_TARGETS,
     assert_same_losses,
@@ -171,3 +178,92 @@ def test_default_config_is_the_references():
             "DDF_TEMPERATURE", "FOCAL_ALPHA", "FOCAL_GAMMA", "COST_CLASS", "COST_BBOX", "COST_GIOU", "MATCHER_ALPHA",
             "MATCHER_GAMMA"]
     assert {k: node[k] for k in keys} == {k: expected[k] for k in keys}
+
+
+# ------------------------------------------------------------------------------------ LOSS_LAYOUT original (GO-LSD)
+def _original_losses(reference, targets: str) -> tuple[dict, dict, list[dict], DFineCriterion, HungarianMatcher]:
+    """The reference's training outputs as Pet's decoder gives them, and Pet's losses under ``LOSS_LAYOUT
+    original``: (losses, outputs, targets, criterion, matcher)."""
+    _, model, cfg = reference
+    cfg = cfg.clone()
+    cfg.MODEL.DFINE.LOSS_LAYOUT = "original"
+    torch.manual_seed(1)
+    labels = [{"class_labels": t["labels"], "boxes": t["boxes"]} for t in loss_targets(targets)]
+    outputs = decoder_outputs(model(pixel_values=random_images(HEIGHT, WIDTH).float() / 255, labels=labels))
+    matcher, criterion = HungarianMatcher(cfg, "DFINE"), DFineCriterion(cfg, NUM_LABELS)
+    return criterion(outputs, loss_targets(targets), matcher), outputs, loss_targets(targets), criterion, matcher
+
+
+def test_the_original_layout_aligns_each_layers_scores_boxes_and_distributions(reference):
+    """Layer k's own scores, boxes and edge distributions in ``_aux_{k}`` (transformers' layout shifts them by one),
+    the last layer's in the main set with FGL and no DDF, the pre-box head and the encoder as sets of their own; the
+    denoising sets aligned the same way, with the pre-box head's ``_dn_pre``."""
+    denoising, _, _ = reference
+    losses, outputs, _, _, _ = _original_losses(reference, "objects")
+    sets, dn_sets = prediction_sets(outputs, "original")
+    layers, queries = len(outputs["corners"]), sets[0].logits.shape[1]
+    assert [p.suffix for p in sets] == ["", *(f"_aux_{k}" for k in range(layers - 1)), "_pre", "_enc_0"]
+    own = [*range(layers - 1)]
+    for pset, k in zip([sets[0], *sets[1:layers]], [layers - 1, *own]):
+        assert torch.equal(pset.logits, outputs["logits"][k][:, -queries:])
+        assert torch.equal(pset.boxes, outputs["boxes"][k][:, -queries:].clamp(0, 1))
+        assert torch.equal(pset.corners, outputs["corners"][k][:, -queries:])
+    assert torch.equal(sets[-2].logits, outputs["pre_logits"][:, -queries:]) and sets[-2].corners is None
+    assert torch.equal(sets[-1].boxes, outputs["enc_boxes"].clamp(0, 1)) and sets[-1].corners is None
+    five, three = ("vfl", "bbox", "giou", "fgl", "ddf"), ("vfl", "bbox", "giou")
+    expected = {f"loss_{t}" for t in five[:4]} | {f"loss_{t}_aux_{k}" for t in five for k in own}
+    expected |= {f"loss_{t}_{s}" for t in three for s in ("pre", "enc_0")}
+    if denoising:
+        assert [p.suffix for p in dn_sets] == [*(f"_dn_{k}" for k in range(layers)), "_dn_pre"]
+        assert torch.equal(dn_sets[0].logits, outputs["logits"][0][:, :-queries])
+        expected |= {f"loss_{t}_dn_{k}" for t in five for k in range(layers)} | {f"loss_{t}_dn_pre" for t in three}
+    else:
+        assert dn_sets == []
+    assert set(losses) == expected
+    assert all(torch.isfinite(v) for v in losses.values())
+
+
+def _union_by_counting(matchings: list, image: int) -> dict[int, set[int]]:
+    """Per query of ``image``, the objects chosen for it by the most sets (several on a tie), counted directly."""
+    counts: dict[int, dict[int, int]] = {}
+    for matching in matchings:
+        src, dst = matching[image]
+        for q, o in zip(src.tolist(), dst.tolist()):
+            counts.setdefault(q, {}).setdefault(o, 0)
+            counts[q][o] += 1
+    return {q: {o for o, c in per.items() if c == max(per.values())} for q, per in counts.items()}
+
+
+@pytest.mark.parametrize("targets", ["objects", "one_empty"])
+def test_the_original_layout_trains_boxes_and_distributions_on_the_union_of_matchings(reference, targets):
+    """GO-LSD: the union of every matched set's matching (each query once, with an object the most sets chose for
+    it, counted here independently) supervises every set's L1 and GIoU, normalised by its size; the varifocal loss
+    keeps each set's own matching and the object count. The union differs from the sets' own matchings here, so a
+    layout that kept them would fail."""
+    losses, outputs, targets, criterion, matcher = _original_losses(reference, targets)
+    sets = prediction_sets(outputs, "original")[0]
+    matchings = [matcher(p.logits, p.boxes, targets) for p in sets]
+    union = dense_one_to_one(matchings)
+    for image, (src, dst) in enumerate(union):
+        allowed = _union_by_counting(matchings, image)
+        assert sorted(src.tolist()) == sorted(allowed) and len(set(src.tolist())) == len(src)
+        assert all(o in allowed[q] for q, o in zip(src.tolist(), dst.tolist()))
+    pairs = sum(len(src) for src, _ in union)
+    assert any(len(m[0][0]) != len(union[0][0]) or not torch.equal(m[0][0], union[0][0]) for m in matchings)
+    weights = criterion.weights
+    for pset, own in zip(sets, matchings):
+        index = (torch.cat([torch.full_like(s, i) for i, (s, _) in enumerate(union)]), torch.cat([s for s, _ in union]))
+        gt = torch.cat([t["boxes"][d] for t, (_, d) in zip(targets, union)])
+        l1 = (pset.boxes[index] - gt).abs().sum() / pairs * weights["loss_bbox"]
+        torch.testing.assert_close(losses[f"loss_bbox{pset.suffix}"], l1, rtol=1e-6, atol=1e-7)
+        vfl = criterion.loss_vfl(pset.logits, pset.boxes, targets, own, float(len(targets[0]["labels"]) +
+                                                                             len(targets[1]["labels"])))
+        torch.testing.assert_close(losses[f"loss_vfl{pset.suffix}"], vfl["loss_vfl"] * weights["loss_vfl"])
+
+
+def test_an_unknown_loss_layout_is_one_error_naming_the_key():
+    cfg = get_default_cfg()
+    add_config(cfg)
+    cfg.MODEL.DFINE.LOSS_LAYOUT = "paper"
+    with pytest.raises(ConfigError, match=r"MODEL.DFINE.LOSS_LAYOUT 'paper' is not one of transformers, original"):
+        DFineCriterion(cfg, NUM_LABELS)

@@ -65,6 +65,10 @@ def add_config(cfg: CfgNode) -> None:
     node.DDF_TEMPERATURE = 5.0
     node.FOCAL_ALPHA = 0.75
     node.FOCAL_GAMMA = 2.0
+    # How the decoder's outputs form the prediction sets the losses are computed on (pet.modeling.dfine.criterion):
+    # "transformers" (its shifted sets; Pet's losses are tested equal to its) or "original" (the paper's aligned sets
+    # with GO-LSD's union matching for the box and distribution losses, as the authors train).
+    node.LOSS_LAYOUT = "transformers"
     # DEIMv2 only (MODEL.META_ARCHITECTURE pet.modeling.dfine.DEIMV2; D-FINE ignores them): its fusion blocks' CSP
     # layers end with a 3x3 conv (N and S; M, L and X do without); the cross-attention's gateway (False: a residual
     # sum and RMSNorm); one box head for all decoder layers; the query position head's activation (the authors'
