@@ -104,7 +104,8 @@ class TrainStep:
             torch.stack([t.detach().float() for t in terms]).tolist())
         local = dict(zip(loss_dict, values), total_loss=sum(values), data_time=data_seconds)
         reduced, signal = comm.reduce_scalars_with_flag(local, stop_signal, maximum=("data_time",))
-        return losses, {name: reduced[name] for name in local}, signal
+        # The model's order, then the terms only other processes had (their mean counts this process's as 0).
+        return losses, {**{name: reduced[name] for name in local}, **reduced}, signal
 
     @staticmethod
     def _mean(summed: dict[str, float], count: int, data_time: float) -> dict[str, float]:

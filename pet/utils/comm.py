@@ -1,6 +1,7 @@
 """torch.distributed helpers that also work in a single process (no process group)."""
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import torch
@@ -90,12 +91,16 @@ def reduce_scalars_with_flag(
 
     The train step uses it so every process learns, from the reduction it does anyway,
     whether any of them was asked to stop (the flag is a signal number, 0 for none).
+
+    Processes may hold different names (a detector's denoising losses exist only in a process whose images have
+    objects): the result has every process's names, a name a process lacks counting as 0 there, which is what that
+    process's term adds to the batch's loss.
     """
     if get_world_size() == 1:
         return values, flag
-    names = sorted(values)
-    tensor = torch.tensor([*(values[n] for n in names), float(flag)], dtype=torch.float64,
-                          device=collective_device())
+    device = collective_device()
+    names = _names_of_every_process(sorted(values), device)
+    tensor = torch.tensor([*(values.get(n, 0.0) for n in names), float(flag)], dtype=torch.float64, device=device)
     summed = tensor.clone()
     dist.all_reduce(summed)
     if average:
@@ -107,6 +112,19 @@ def reduce_scalars_with_flag(
         if name in maximum:
             result[name] = value
     return result, int(largest[-1])
+
+
+def _names_of_every_process(names: list[str], device: torch.device) -> list[str]:
+    """``names`` (sorted) when every process holds the same, else the sorted union of all processes' names.
+
+    The check is one all-reduce of four numbers (the count and a CRC-32 of the names, and their negatives, under
+    MAX); only a difference costs the gathering of every process's names."""
+    digest = float(zlib.crc32("\0".join(names).encode()))
+    check = torch.tensor([len(names), digest, -len(names), -digest], dtype=torch.float64, device=device)
+    dist.all_reduce(check, op=dist.ReduceOp.MAX)
+    if check[0] == -check[2] and check[1] == -check[3]:
+        return names
+    return sorted(set().union(*all_gather_object(names)))
 
 
 def all_reduce_buffers(module: torch.nn.Module) -> None:

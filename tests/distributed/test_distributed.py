@@ -193,18 +193,22 @@ def test_reduce_scalars_builds_its_tensor_on_the_collective_device(monkeypatch):
     monkeypatch.setattr(comm.dist, "all_reduce", lambda tensor, op=None: reduced_on.append(tensor.device))
     assert comm.reduce_scalars({"loss": 1.0, "data_time": 2.0}, maximum=("data_time",)) == {
         "loss": 0.5, "data_time": 2.0}  # the fake all-reduce leaves the values as they are
-    assert asked == [True] and reduced_on == [torch.device("cpu")] * 2
+    # the names' check, the sum and the max
+    assert asked == [True] and reduced_on == [torch.device("cpu")] * 3
 
 
 def _reduce_worker(rank, init_file):
     values = {"loss": float(rank + 1), "data_time": 0.1 * (rank + 1)}
+    if rank == 0:  # a term only rank 0 has (as denoising losses in a process whose images have objects)
+        values["loss_dn"] = 4.0
     return rank, str(comm.collective_device()), comm.reduce_scalars(values, maximum=("data_time",))
 
 
 @pytest.mark.slow
 def test_reduce_scalars_under_gloo_averages_and_takes_the_max(tmp_path):
+    """The mean and max over the ranks, a term one rank lacks counting as 0 there."""
     results = run_two_ranks(_reduce_worker, tmp_path / "init", timeout=60)
     assert [rank for rank, _, _ in results] == [0, 1]
     for _, device, reduced in results:
         assert device == "cpu"
-        assert reduced == pytest.approx({"loss": 1.5, "data_time": 0.2})
+        assert reduced == pytest.approx({"loss": 1.5, "data_time": 0.2, "loss_dn": 2.0})

@@ -81,7 +81,7 @@ class QueryDetector(Detector):
         with timed("encoder"):
             features = self.encoder(features)
         if self.training:
-            gt = [normalised_targets(t, height, width) for t in targets]
+            gt = [normalised_targets(t, height, width, x.dtype) for t in targets]
             outputs = self.decoder(features, gt)
             return self.criterion(outputs, gt, self.matcher)
         with timed("decoder"):
@@ -142,9 +142,11 @@ class RTDETR(QueryDetector):
         return convert_state_dict(state)
 
 
-def normalised_targets(target: dict[str, Any], height: int, width: int) -> dict[str, torch.Tensor]:
+def normalised_targets(target: dict[str, Any], height: int, width: int,
+                       dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Pet's target (``boxes`` xyxy in input pixels, ``labels`` 1..K) as RT-DETR's: (cx, cy, w, h) over the padded
-    input's ``width`` and ``height``, labels 0..K-1."""
-    boxes = target["boxes"].float()
+    input's ``width`` and ``height``, labels 0..K-1. Boxes in float32, or in ``dtype`` where that is wider (a model
+    run in float64 compares with its targets in float64)."""
+    boxes = target["boxes"].to(torch.promote_types(dtype, torch.float32))
     scale = torch.tensor([width, height, width, height], dtype=boxes.dtype, device=boxes.device)
     return {"labels": target["labels"] - 1, "boxes": box_convert(boxes, "xyxy", "cxcywh") / scale}
