@@ -2,21 +2,18 @@
 post-processing inside; onnxruntime then gives the PyTorch model's detections, a blank image gives none, the parity
 gate rejects a perturbed graph, and a module that cannot be exported is named with its operation.
 
-The models are the shapes configs made tiny (ResNet-18 stages up to 3 or 4, three FPN levels, narrow heads), with
-random weights whose normalisation statistics are random but not trivial, the classifier rescaled so scores vary
-from image to image, and the score threshold set just above the blank image's best score. The four exports run
-through tools/export.py (export, then its own parity gate) in this process, once for the module: most of an
-export's CPU goes to torch.export and the ONNX conversion, and a process each would add seconds of imports.
+The models are tests/support/tiny_exports.py's tiny detectors with random weights. The four exports run through
+tools/export.py (export, then its own parity gate) in this process, once for the module: most of an export's CPU goes
+to torch.export and the ONNX conversion, and a process each would add seconds of imports. OpenVINO's IR of each
+export is checked here too (the IR tests that need one export are tests/deploy/test_openvino.py's), as each other
+exporting architecture's test checks its own export.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import subprocess
 import sys
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -30,100 +27,15 @@ from pet.deploy.backend import WEIGHTS_SHA256_KEY
 from pet.deploy.onnx import ExportError, export_onnx, to_onnx
 from pet.deploy.onnxruntime_model import OnnxRuntimeModel
 from pet.deploy.parity import ParityError, check_parity, parity_batches
-from pet.modeling import build_model
 from pet.modeling.preprocess import image_sizes
 from pet.modeling.registry import ROI_BOX_HEAD_REGISTRY
 from pet.modeling.roi_heads import TwoMLPHead
 from pet.utils.errors import PetError
 from pet.utils.files import file_sha256
 from support.against_reference import Tolerance, detection_tensors, match_detections
-from support.helpers import CFGS, custom_datasets, run_tool_captured, run_tool_here
-from support.tiny_models import TINY_TWO_STAGE, randomize_norms, rescale_layer_output, shapes_val_batch
-
-
-@dataclass(frozen=True)
-class ExportArch:
-    config: str  # under cfgs/shapes/
-    opts: tuple[str, ...]  # what makes it tiny
-    score_key: str  # its score threshold
-    classifier: str  # the layer whose outputs are rescaled to vary
-
-
-_TWO_STAGE = tuple(TINY_TWO_STAGE)
-EXPORT_ARCHS = {
-    "faster_rcnn": ExportArch("faster_rcnn_R-10-FPN.yaml", _TWO_STAGE, "MODEL.ROI_HEADS.SCORE_THRESH_TEST",
-                              "roi_heads.box_predictor.cls_score"),
-    "mask_rcnn": ExportArch("mask_rcnn_R-18-FPN.yaml", (*_TWO_STAGE, "MODEL.ROI_MASK_HEAD.NUM_CONV", "1",
-                                                        "MODEL.ROI_MASK_HEAD.CONV_DIM", "32"),
-                            "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "roi_heads.box_predictor.cls_score"),
-    "retinanet": ExportArch("retinanet_R-18-FPN.yaml", ("MODEL.FPN.RETURNED_LAYERS", "[4]", "MODEL.FPN.OUT_CHANNELS",
-                                                        "32", "MODEL.RETINANET.ANCHOR_SIZES", "[[32], [64], [128]]",
-                                                        "MODEL.RETINANET.HEAD_NORM", "''"),
-                            "MODEL.RETINANET.SCORE_THRESH_TEST", "head.classification_head.cls_logits"),
-    "fcos": ExportArch("fcos_R-18-FPN.yaml", ("MODEL.FPN.RETURNED_LAYERS", "[4]", "MODEL.FPN.OUT_CHANNELS", "64",
-                                              "MODEL.FCOS.NUM_CONVS", "1"),
-                       "MODEL.FCOS.SCORE_THRESH_TEST", "head.classification_head.cls_logits"),
-}
-
-
-@dataclass
-class Export:
-    cfg_file: str
-    opts: list[str]  # the tiny architecture, its score threshold, the test set, CKPT
-    weights: str
-    model: torch.nn.Module  # the PyTorch model, with the weights
-    onnx_file: str
-    run: subprocess.CompletedProcess  # tools/export.py's
-
-
-def save_tiny_weights(arch: str, cfg_file: str, opts: list[str], weights: str) -> list[str]:
-    """Build ``arch``'s tiny model with random weights, save them to ``weights``; returns its opts with the score
-    threshold just above the best score on the parity gate's blank image."""
-    spec = EXPORT_ARCHS[arch]
-    cfg = load_cfg(cfg_file, [*opts, spec.score_key, "0.0"])
-    torch.manual_seed(0)
-    model = build_model(cfg).eval()
-    randomize_norms(model)
-    batches = parity_batches(cfg)
-    rescale_layer_output(model, spec.classifier, batches[0])
-    with torch.no_grad():
-        blank = model(*batches[-1])[0]["scores"].max().item()
-    torch.save(model.state_dict(), weights)
-    return [*opts, spec.score_key, f"{blank + 1e-3:.6f}"]
-
-
-def pytorch_model(cfg_file: str, opts: list[str], weights: str) -> torch.nn.Module:
-    model = build_model(load_cfg(cfg_file, opts)).eval()
-    model.load_state_dict(torch.load(weights, weights_only=True))
-    return model
-
-
-class Exports(Mapping[str, Export]):
-    """Each architecture exported by tools/export.py when first asked for (the numeric tests, run alone, need only
-    Faster R-CNN's: an export is ~25 s of CPU)."""
-
-    def __init__(self, root, shapes_root: str) -> None:
-        self.root, self.found = root, {}
-        self.data = ["DATA.CUSTOM", custom_datasets(("export_val", f"{shapes_root}/annotations/val.json",
-                                                     f"{shapes_root}/val")),
-                     "TEST.DATASETS", "('export_val',)", "CKPT", str(root / "ckpt")]
-
-    def __getitem__(self, arch: str) -> Export:
-        if arch not in self.found:
-            spec = EXPORT_ARCHS[arch]
-            cfg_file, weights = os.path.join(CFGS, "shapes", spec.config), str(self.root / f"{arch}.pth")
-            opts = save_tiny_weights(arch, cfg_file, [*spec.opts, *self.data], weights)
-            onnx_file = str(self.root / f"{arch}.onnx")
-            run = run_tool_captured("export.py", "--cfg", cfg_file, "--weights", weights, "--output", onnx_file,
-                                    *opts)
-            self.found[arch] = Export(cfg_file, opts, weights, pytorch_model(cfg_file, opts, weights), onnx_file, run)
-        return self.found[arch]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(EXPORT_ARCHS)
-
-    def __len__(self) -> int:
-        return len(EXPORT_ARCHS)
+from support.helpers import CFGS, run_tool_captured, run_tool_here
+from support.tiny_exports import EXPORT_ARCHS, Exports, assert_openvino_gives_the_pytorch_detections, pytorch_model
+from support.tiny_models import shapes_val_batch
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +69,14 @@ def test_onnxruntime_gives_the_pytorch_detections_at_two_sizes_in_batches_of_two
     assert report.images == 4 and report.detections > 0
     assert report.box_fraction <= 1e-3 and report.score <= 1e-4
     assert (report.mask_iou is not None) == (arch == "mask_rcnn") and (report.mask_iou or 1.0) >= 0.99
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", EXPORT_ARCHS)
+def test_openvino_ir_gives_the_pytorch_detections_within_the_gates_tolerances(exports, shapes_root, tmp_path, arch):
+    export = exports[arch]
+    assert_openvino_gives_the_pytorch_detections(export.model, export.onnx_file, load_cfg(export.cfg_file, export.opts),
+                                                 shapes_root, str(tmp_path), masks=arch == "mask_rcnn")
 
 
 class _Shifted:

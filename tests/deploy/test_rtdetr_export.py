@@ -30,6 +30,7 @@ from pet.deploy.parity import ParityError, check_parity, parity_batches
 from pet.modeling import build_model
 from pet.utils.errors import PetError
 from support.helpers import custom_datasets, run_tool_captured
+from support.tiny_exports import assert_openvino_gives_the_pytorch_detections
 from support.tiny_models import RTDETR_SHAPES_CFG, TINY_QUERY_DETECTORS, shapes_val_batch
 
 
@@ -117,6 +118,15 @@ def test_dfine_onnxruntime_gives_the_pytorch_detections_at_two_sizes(dfine_expor
     """As RT-DETR's, whose graph D-FINE's is; not numeric: the foreign-CPU pass checks the graph on RT-DETR's export
     rather than making this one again (30 s)."""
     _onnxruntime_parity(dfine_export, shapes_root)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exported", ["export", "dfine_export"])
+def test_openvino_ir_gives_the_pytorch_detections_within_the_gates_tolerances(exported, request, shapes_root,
+                                                                              tmp_path):
+    export = request.getfixturevalue(exported)
+    assert_openvino_gives_the_pytorch_detections(export.model, export.onnx_file, load_cfg(export.cfg_file, export.opts),
+                                                 shapes_root, str(tmp_path))
 
 
 def test_the_gate_rejects_a_graph_whose_boxes_are_off(export, tmp_path, shapes_root):

@@ -21,7 +21,8 @@ from pet.deploy.parity import check_parity, parity_batches
 from pet.modeling import CascadeMaskRCNN, CascadeRCNN, build_export_graph, build_model
 from pet.modeling.cascade_roi_heads import scale_gradient
 from pet.utils.errors import ConfigError
-from support.helpers import CFGS, custom_datasets, detector_batch, run_tool_here
+from support.helpers import CFGS, custom_datasets, detector_batch, run_tool_captured, run_tool_here
+from support.tiny_exports import assert_openvino_gives_the_pytorch_detections
 from support.tiny_models import TINY_TWO_STAGE, randomize_norms, rescale_layer_output
 
 CASCADE_CFG = os.path.join(CFGS, "shapes", "cascade_rcnn_R-10-FPN.yaml")
@@ -220,21 +221,34 @@ def random_weights(cfg_file: str, root, shapes_root: str) -> tuple[str, list[str
     return weights, [*opts, "MODEL.ROI_HEADS.SCORE_THRESH_TEST", f"{blank + 1e-3:.6f}"]
 
 
-@pytest.mark.slow
-def test_tools_export_passes_its_parity_gate_and_onnxruntime_gives_the_same_detections(
-        tmp_path, shapes_root, monkeypatch, capsys):
-    """Cascade R-CNN only: Cascade Mask R-CNN's mask branch is Mask R-CNN's, whose export tests/deploy/test_export.py
-    checks (exporting it here too would double this test's minutes)."""
-    weights, opts = random_weights(CASCADE_CFG, tmp_path, shapes_root)
-    onnx_file = str(tmp_path / "cascade.onnx")
-    status, stderr = run_tool_here(monkeypatch, capsys, "export.py", "--cfg", CASCADE_CFG, "--weights", weights,
-                                   "--output", onnx_file, *opts)
-    assert status == 0, stderr
+@pytest.fixture(scope="module")
+def cascade_export(tmp_path_factory, shapes_root):
+    """``(status, stderr, model, onnx file, cfg)``: a tiny Cascade R-CNN with random weights through tools/export.py.
+    Cascade R-CNN only: Cascade Mask R-CNN's mask branch is Mask R-CNN's, whose export tests/deploy/test_export.py
+    checks (exporting it here too would double these tests' minutes)."""
+    root = tmp_path_factory.mktemp("cascade_export")
+    weights, opts = random_weights(CASCADE_CFG, root, shapes_root)
+    onnx_file = str(root / "cascade.onnx")
+    run = run_tool_captured("export.py", "--cfg", CASCADE_CFG, "--weights", weights, "--output", onnx_file, *opts)
     cfg = load_cfg(CASCADE_CFG, opts)
     model = build_model(cfg).eval()
     model.load_state_dict(torch.load(weights, weights_only=True))
+    return run, model, onnx_file, cfg
+
+
+@pytest.mark.slow
+def test_tools_export_passes_its_parity_gate_and_onnxruntime_gives_the_same_detections(cascade_export):
+    run, model, onnx_file, cfg = cascade_export
+    assert run.returncode == 0, run.stderr[-3000:]
     report = check_parity(model, OnnxRuntimeModel(onnx_file), parity_batches(cfg))
     assert report.detections > 0 and report.box_fraction <= 1e-3 and report.score <= 1e-4
+
+
+@pytest.mark.slow
+def test_openvino_ir_gives_the_pytorch_detections_within_the_gates_tolerances(cascade_export, shapes_root, tmp_path):
+    run, model, onnx_file, cfg = cascade_export
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert_openvino_gives_the_pytorch_detections(model, onnx_file, cfg, shapes_root, str(tmp_path))
 
 
 @pytest.mark.slow

@@ -30,6 +30,7 @@ from support.against_reference import (
     shapes_image,
 )
 from support.helpers import CFGS, SMALL_FLOPS, custom_datasets, run_tool_captured
+from support.tiny_exports import assert_openvino_gives_the_pytorch_detections
 from support.tiny_models import TINY_TWO_STAGE, randomize_norms, rescale_layer_output
 
 COCO_CFG = os.path.join(CFGS, "coco", "keypoint_rcnn_R-50-FPN_1x.yaml")
@@ -38,11 +39,12 @@ COCO_CFG = os.path.join(CFGS, "coco", "keypoint_rcnn_R-50-FPN_1x.yaml")
 # This and the next are not in the numeric group (.ci/run's pass as on another CPU): ~30 s of 2 cores each there,
 # most of it the keypoint head's eight 512-channel convolutions; the other parity tests compare the rest.
 @pytest.mark.slow
-def test_keypoint_rcnn_inference_parity_with_torchvision():
+@pytest.mark.parametrize("comparison", ["same_format", "contiguous"])
+def test_keypoint_rcnn_inference_parity_with_torchvision(comparison):
     """torchvision's keypointrcnn_resnet50_fpn weights give torchvision's detections, keypoints and keypoint scores:
     the same as its model run channels-last, and torchvision's default run in float64 up to its memory format's
     rounding (tests/support/against_reference.py)."""
-    measured = check_inference_parity("keypoint_rcnn")
+    measured = check_inference_parity("keypoint_rcnn", comparison)
     print(measured)
 
 
@@ -69,7 +71,7 @@ TINY_KEYPOINT_RCNN = ["MODEL.META_ARCHITECTURE", "KeypointRCNN", *TINY_TWO_STAGE
 
 @pytest.fixture(scope="module")
 def tiny_keypoint_export(shapes_root, tmp_path_factory):
-    """``(model, onnx model, parity batches)``: the tiny model with random weights (non-trivial normalisation,
+    """``(model, onnx model, parity batches, cfg)``: the tiny model with random weights (non-trivial normalisation,
     classifier and heatmap logits rescaled to O(1)), its score threshold just above the blank image's best score,
     exported with its parity gate's first batch as the example."""
     root = tmp_path_factory.mktemp("keypoint_export")
@@ -86,13 +88,13 @@ def tiny_keypoint_export(shapes_root, tmp_path_factory):
     with torch.no_grad():
         model.roi_heads.score_thresh = model(*batches[-1])[0]["scores"].max().item() + 1e-3
     path = export_onnx(model, batches[0], str(root / "keypoint_rcnn.onnx"))
-    return model, OnnxRuntimeModel(path), batches
+    return model, OnnxRuntimeModel(path), batches, cfg
 
 
 @pytest.mark.slow
 @pytest.mark.numeric
 def test_keypoint_rcnn_exports_through_the_parity_gate_with_its_keypoints(tiny_keypoint_export):
-    model, onnx_model, batches = tiny_keypoint_export
+    model, onnx_model, batches, _ = tiny_keypoint_export
     assert onnx_model.output_names[-1] == "keypoint_heatmaps"
     report = check_parity(model, onnx_model, batches)
     assert report.detections > 0 and report.keypoint_px is not None, report.summary()
@@ -105,9 +107,16 @@ def test_keypoint_rcnn_exports_through_the_parity_gate_with_its_keypoints(tiny_k
 
 
 @pytest.mark.slow
+def test_openvino_ir_gives_the_pytorch_detections_and_keypoints(tiny_keypoint_export, shapes_root, tmp_path):
+    model, onnx_model, _, cfg = tiny_keypoint_export
+    assert_openvino_gives_the_pytorch_detections(model, onnx_model.path, cfg, shapes_root, str(tmp_path),
+                                                 keypoints=True)
+
+
+@pytest.mark.slow
 def test_the_gate_rejects_keypoints_moved_by_a_pixel(tiny_keypoint_export):
     """The gate compares the decoded keypoints: onnxruntime's moved by 1 px (boxes and scores unchanged) fail it."""
-    model, onnx_model, batches = tiny_keypoint_export
+    model, onnx_model, batches, _ = tiny_keypoint_export
     decode = onnx_model.network_detections
 
     def moved(images, targets):
