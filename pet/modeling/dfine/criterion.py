@@ -347,10 +347,12 @@ class DFineCriterion(RTDETRCriterion):
         for pset, matches in zip(sets, matchings):
             losses.update(self.set_losses(pset, targets, matches, num_boxes, union, num_pairs))
         balance = None
-        if self.layout == "original":  # the authors weigh the denoising sets' DDF sides by the matched sets' counts
+        if self.layout == "original" and union is not None:
+            # The authors weigh the denoising sets' DDF sides by the union's counts. Counted in every process, with
+            # denoising sets or without: it is an all-reduce.
             matched = torch.zeros(sets[0].logits.shape[:2], dtype=torch.bool, device=device)
             matched[prediction_index(union)] = True
-            balance = edge_counts(matched)  # in every process, with or without denoising sets: an all-reduce
+            balance = edge_counts(matched)
         losses.update(self.denoising_losses(outputs, dn_sets, targets, num_boxes, balance))
         if self.layout == "transformers":
             self.keep_unsupervised_in_graph(losses, outputs)
