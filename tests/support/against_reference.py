@@ -96,7 +96,7 @@ ARCHS = {
     # Heatmap logits of std 3: distinct peaks, so that a keypoint moved by one heatmap cell shows. The head (eight
     # 512-channel convolutions per RoI) is the costly part, hence few detections.
     "keypoint_rcnn": Arch(torchvision.models.detection.keypointrcnn_resnet50_fpn,
-                          {**_TWO_STAGE, "roi_heads.keypoint_predictor.kps_score_lowres": 3.0}, 0.08, roi_batch=64),
+                          {**_TWO_STAGE, "roi_heads.keypoint_predictor.kps_score_lowres": 3.0}, 0.08, roi_batch=32),
     "retinanet": Arch(torchvision.models.detection.retinanet_resnet50_fpn,
                       {"head.classification_head.cls_logits": 1.0, "head.regression_head.bbox_reg": 0.1}, 0.5),
     "fcos": Arch(torchvision.models.detection.fcos_resnet50_fpn,
