@@ -1,5 +1,6 @@
 """RT-DETR, D-FINE and DEIMv2 in two real processes (gloo on CPU): 2 processes x 1 image end with the weights of 1
-process x 2 images (DEIMv2's dense one-to-one union is normalised by its size averaged over processes).
+process x 2 images (D-FINE's and DEIMv2's union matching is normalised by its size averaged over processes); and with
+denoising, a process without objects steps with the other.
 
 What makes it hold: each process matches its own images (the Hungarian matching is per image, as in DETR and
 transformers' ``RTDetrLoss``), and the loss normaliser ``num_boxes`` is the objects of the whole batch averaged over
