@@ -48,12 +48,12 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 # workers whole files in collection order (--no-loadscope-reorder), so starting with these keeps one worker from
 # being left with a long file while the other has finished (longest-processing-time-first scheduling).
 SLOWEST_FILES = (
-    "test_keypoint_rcnn.py", "test_multinode.py", "test_torchvision_weights.py", "test_export.py",
-    "test_plugin_detectors.py", "test_mask_rcnn.py", "test_distributed.py", "test_worker_death.py", "test_zoo.py",
-    "test_modeling.py", "test_cascade_rcnn.py", "test_rtdetr_export.py", "test_rtdetr_parity.py", "test_int8.py",
-    "test_predict.py", "test_end_to_end.py", "test_speed_probe.py", "test_trackers.py", "test_evaluation.py",
-    "test_checkpoint_files.py", "test_stops.py", "test_precision.py", "test_kill_resume.py", "test_rtdetr.py",
-    "test_rtdetr_distributed.py", "test_trainer_api.py", "test_benchmarks.py", "test_rtdetr_predict.py",
+    "test_keypoint_rcnn.py", "test_plugin_detectors.py", "test_int8.py", "test_export.py", "test_rtdetr_export.py",
+    "test_torchvision_weights.py", "test_mask_rcnn.py", "test_multinode.py", "test_rtdetr_distributed.py",
+    "test_zoo.py", "test_worker_death.py", "test_modeling.py", "test_distributed.py", "test_rtdetr.py",
+    "test_cascade_rcnn.py", "test_openvino.py", "test_predict.py", "test_end_to_end.py", "test_trackers.py",
+    "test_rtdetr_predict.py", "test_speed_probe.py", "test_data_formats.py", "test_data_coco.py", "test_precision.py",
+    "test_dfine_hub_checkpoint.py", "test_rtdetr_parity.py", "test_checkpoint_files.py", "test_augmentations.py",
 )
 
 
