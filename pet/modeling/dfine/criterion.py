@@ -90,53 +90,39 @@ def prediction_sets(outputs: dict, layout: str = "transformers") -> tuple[list[P
     """(matched sets, denoising sets) from the decoder's training outputs, in transformers' shifted ``layout`` or the
     ``original`` aligned one (see the module docstring). Boxes are clamped to [0, 1]; the denoising queries are split
     off the front."""
-    if layout == "original":
-        return _aligned_sets(outputs)
-    logits = [outputs["pre_logits"], *outputs["logits"]]
-    boxes = [b.clamp(0, 1) for b in (outputs["pre_boxes"], *outputs["boxes"])]
-    corners, anchors = list(outputs["corners"]), outputs["anchors"]
-    layers = len(corners)
-    denoising = outputs.get("denoising")
-    dn_sets: list[PredictionSet] = []
-    if denoising is not None:
-        dn_logits, logits = _split(logits, denoising["split"])
-        dn_boxes, boxes = _split(boxes, denoising["split"])
-        dn_corners, corners = _split(corners, denoising["split"])
-        (dn_anchors,), (anchors,) = _split([anchors], denoising["split"])
-        dn_sets = [PredictionSet(f"_dn_{k}", dn_logits[k], dn_boxes[k], dn_corners[k], dn_anchors, dn_corners[-1],
-                                 dn_logits[-1]) for k in range(layers)]
-    sets = [PredictionSet("", logits[-1], boxes[-1])]
-    sets += [PredictionSet(f"_aux_{k}", logits[k], boxes[k], corners[k], anchors, corners[-1], logits[-1])
-             for k in range(layers - 1)]
-    sets.append(PredictionSet(f"_aux_{layers - 1}", outputs["enc_logits"], outputs["enc_boxes"].clamp(0, 1)))
-    return sets, dn_sets
-
-
-def _aligned_sets(outputs: dict) -> tuple[list[PredictionSet], list[PredictionSet]]:
-    """The original layout's sets: each layer's scores, boxes and distributions together, the last layer's the
-    teacher; the pre-box head's and the encoder's scores and boxes on their own."""
+    pre = [outputs["pre_logits"], outputs["pre_boxes"].clamp(0, 1)]
     logits, boxes = list(outputs["logits"]), [b.clamp(0, 1) for b in outputs["boxes"]]
-    pre_logits, pre_boxes = outputs["pre_logits"], outputs["pre_boxes"].clamp(0, 1)
     corners, anchors = list(outputs["corners"]), outputs["anchors"]
     layers = len(corners)
+    enc = (outputs["enc_logits"], outputs["enc_boxes"].clamp(0, 1))
     dn_sets: list[PredictionSet] = []
     denoising = outputs.get("denoising")
     if denoising is not None:
-        dn_logits, logits = _split(logits, denoising["split"])
-        dn_boxes, boxes = _split(boxes, denoising["split"])
-        dn_corners, corners = _split(corners, denoising["split"])
-        (dn_anchors,), (anchors,) = _split([anchors], denoising["split"])
-        (dn_pre_logits,), (pre_logits,) = _split([pre_logits], denoising["split"])
-        (dn_pre_boxes,), (pre_boxes,) = _split([pre_boxes], denoising["split"])
-        dn_sets = [PredictionSet(f"_dn_{k}", dn_logits[k], dn_boxes[k], dn_corners[k], dn_anchors, dn_corners[-1],
-                                 dn_logits[-1]) for k in range(layers)]
-        dn_sets.append(PredictionSet("_dn_pre", dn_pre_logits, dn_pre_boxes))
-    sets = [PredictionSet("", logits[-1], boxes[-1], corners[-1], anchors)]
-    sets += [PredictionSet(f"_aux_{k}", logits[k], boxes[k], corners[k], anchors, corners[-1], logits[-1])
-             for k in range(layers - 1)]
-    sets.append(PredictionSet("_pre", pre_logits, pre_boxes))
-    sets.append(PredictionSet("_enc_0", outputs["enc_logits"], outputs["enc_boxes"].clamp(0, 1)))
-    return sets, dn_sets
+        split = denoising["split"]
+        dn_pre, pre = _split(pre, split)
+        (dn_anchors,), (anchors,) = _split([anchors], split)
+        dn_logits, logits = _split(logits, split)
+        dn_boxes, boxes = _split(boxes, split)
+        dn_corners, corners = _split(corners, split)
+        dn_sets = _layer_sets("_dn", layers, dn_pre, dn_logits, dn_boxes, dn_corners, dn_anchors, layout)
+        if layout == "original":
+            dn_sets.append(PredictionSet("_dn_pre", *dn_pre))
+    aux = _layer_sets("_aux", layers - 1, pre, logits, boxes, corners, anchors, layout)
+    if layout == "original":
+        return [PredictionSet("", logits[-1], boxes[-1], corners[-1], anchors), *aux, PredictionSet("_pre", *pre),
+                PredictionSet("_enc_0", *enc)], dn_sets
+    return [PredictionSet("", logits[-1], boxes[-1]), *aux, PredictionSet(f"_aux_{layers - 1}", *enc)], dn_sets
+
+
+def _layer_sets(prefix: str, count: int, pre: list[torch.Tensor], logits: list[torch.Tensor],
+                boxes: list[torch.Tensor], corners: list[torch.Tensor], anchors: torch.Tensor,
+                layout: str) -> list[PredictionSet]:
+    """Sets ``{prefix}_{k}``, k < ``count``: layer k's edge distributions with its own scores and boxes (original
+    layout) or those one step before (transformers': the pre-box head's for k = 0), the last layer the teacher."""
+    if layout != "original":
+        logits, boxes = [pre[0], *logits], [pre[1], *boxes]
+    return [PredictionSet(f"{prefix}_{k}", logits[k], boxes[k], corners[k], anchors, corners[-1], logits[-1])
+            for k in range(count)]
 
 
 def _split(tensors: list[torch.Tensor], split: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -189,7 +175,7 @@ def fine_grained_localization(corners: torch.Tensor, bins: torch.Tensor, left_we
 
 def decoupled_distillation(corners: torch.Tensor, teacher: torch.Tensor, weights: torch.Tensor,
                            matched: torch.Tensor, temperature: float, *, whole_batch: bool = True,
-                           balance: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                           balance: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """DDF of edge logits ``corners`` ``[B, Q, 4 * (N + 1)]`` towards ``teacher``'s (same shape; not differentiated):
     per edge ``T^2 * KL(softmax(teacher / T) || softmax(corners / T))`` times the query's weight ``[B, Q]``; the means
     over the ``matched`` ``[B, Q]`` edges and over the rest, averaged with weights sqrt(edges / B) of each side (so
