@@ -45,8 +45,8 @@ logger = logging.getLogger(__name__)
 
 # The SOLVER keys that shape the learning rate of every iteration: checkpoints record them (with MAX_ITER),
 # so a resume can say what changed.
-SCHEDULE_KEYS = ("BASE_LR", "LR_POLICY", "STEPS", "GAMMA", "WARMUP_ITERS", "WARMUP_FACTOR", "WEIGHT_DECAY",
-                 "MOMENTUM")
+SCHEDULE_KEYS = ("BASE_LR", "LR_POLICY", "STEPS", "GAMMA", "FLAT_ITERS", "COSINE_END_FACTOR", "WARMUP_ITERS",
+                 "WARMUP_FACTOR", "WEIGHT_DECAY", "MOMENTUM")
 
 
 class Checkpointer:

@@ -166,7 +166,11 @@ def validate_cfg(cfg: CfgNode) -> None:
         (solver.MAX_EPOCHS >= 0, f"SOLVER.MAX_EPOCHS must be >= 0, got {solver.MAX_EPOCHS}"),
         (solver.WARMUP_ITERS >= 0, f"SOLVER.WARMUP_ITERS must be >= 0, got {solver.WARMUP_ITERS}"),
         (solver.OPTIMIZER in ("SGD", "AdamW"), f"SOLVER.OPTIMIZER must be SGD or AdamW, got '{solver.OPTIMIZER}'"),
-        (solver.LR_POLICY in ("step", "cosine"), f"SOLVER.LR_POLICY must be step or cosine, got '{solver.LR_POLICY}'"),
+        (solver.LR_POLICY in ("step", "cosine", "flat_cosine"),
+         f"SOLVER.LR_POLICY must be step, cosine or flat_cosine, got '{solver.LR_POLICY}'"),
+        (solver.FLAT_ITERS >= 0, f"SOLVER.FLAT_ITERS must be >= 0, got {solver.FLAT_ITERS}"),
+        (0.0 <= solver.COSINE_END_FACTOR <= 1.0,
+         f"SOLVER.COSINE_END_FACTOR must be in [0, 1], got {solver.COSINE_END_FACTOR}"),
         *[(amp.ENABLED in ("auto", True, False), f"{key}.ENABLED must be auto, True or False, got {amp.ENABLED!r}")
           for key, amp in (("SOLVER.AMP", solver.AMP), ("TEST.AMP", cfg.TEST.AMP))],
         *[(amp.DTYPE in ("auto", "bfloat16", "float16"),

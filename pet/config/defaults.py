@@ -362,10 +362,15 @@ _C.SOLVER.IMS_PER_BATCH = 16
 # Gradient accumulation: one iteration (one optimizer step, one LR-schedule step, what hooks,
 # writers and MAX_ITER count) runs ACCUM_STEPS batches, so it sees ACCUM_STEPS x IMS_PER_BATCH images.
 _C.SOLVER.ACCUM_STEPS = 1
-# Learning-rate policy after warm-up: "step" (x GAMMA at each of STEPS) or "cosine".
+# Learning-rate policy after warm-up: "step" (x GAMMA at each of STEPS), "cosine" (from BASE_LR down to
+# BASE_LR * COSINE_END_FACTOR at MAX_ITER) or "flat_cosine" (DEIM's: BASE_LR until iteration FLAT_ITERS, then the
+# same cosine over the iterations left).
 _C.SOLVER.LR_POLICY = "step"
 _C.SOLVER.STEPS = (60000, 80000)
 _C.SOLVER.GAMMA = 0.1
+_C.SOLVER.FLAT_ITERS = 0
+# DEIM decays to half the learning rate (their lr_gamma 0.5); 0 decays to nothing.
+_C.SOLVER.COSINE_END_FACTOR = 0.0
 # Linear warm-up from BASE_LR * WARMUP_FACTOR over WARMUP_ITERS iterations.
 _C.SOLVER.WARMUP_ITERS = 1000
 _C.SOLVER.WARMUP_FACTOR = 0.001

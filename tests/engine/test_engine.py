@@ -4,6 +4,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 import os
 import time
 
@@ -232,6 +233,18 @@ def test_lr_scheduler_logs_then_steps(make_cfg):
     lrs = [round(v, 6) for v, _ in trainer.storage.history("lr").values()]
     assert lrs == [1.0] * 4 + [0.1] * 4 + [0.01] * 2
     assert not trainer.storage.smoothing_hints()["lr"]
+
+
+def test_flat_cosine_holds_the_rate_then_decays_to_its_end_factor(make_cfg):
+    cfg = make_cfg("SOLVER.MAX_ITER", 10, "SOLVER.LR_POLICY", "flat_cosine", "SOLVER.FLAT_ITERS", 6,
+                   "SOLVER.COSINE_END_FACTOR", 0.5, "SOLVER.BASE_LR", 1.0)
+    trainer = make_trainer(cfg, default_hooks=False)
+    trainer.register_hook(LRScheduler())
+    trainer.train()
+    lrs = [round(v, 6) for v, _ in trainer.storage.history("lr").values()]
+    # Iterations 0-6 at the full rate, then half a cosine over the last 4 from 1.0 towards 0.5.
+    expected = [0.5 + 0.25 * (1 + math.cos(math.pi * k / 4)) for k in range(1, 4)]
+    assert lrs == [1.0] * 7 + [round(v, 6) for v in expected]
 
 
 def test_warmup_rises_linearly(make_cfg):
