@@ -1,24 +1,26 @@
-"""HGNetv2 (B0-B6), the backbone of D-FINE and DEIMv2, registered as the ``hgnetv2`` backbone.
+"""HGNetv2 (B0-B6, and DEIMv2's three-stage Atto, Femto, Pico), the backbone of D-FINE and DEIMv2, registered as the
+``hgnetv2`` backbone.
 
 HGNetv2 is Baidu's GPU-friendly CNN (PP-HGNetV2). Its unit is the HG block: a chain of ``num_layers``
 convolutions whose every intermediate output (and the block's input) is concatenated and squeezed back by two
 1x1 convolutions, so one block sees receptive fields of every depth at once, with few, wide kernels that GPUs
-run well. The first two stages use plain 3x3 convolutions; the last two use "light" ones (a linear 1x1
-convolution, then a depthwise 5x5), which is where most pixels have become channels. A stage after the first
-starts with a strided depthwise 3x3 convolution without activation to halve the resolution, and every block
-after a stage's first is residual. The stem reaches stride 4 through two paths, a 2x2 max-pool and two 2x2
+run well. The first two stages use plain 3x3 convolutions; the later ones use "light" ones (a linear 1x1
+convolution, then a depthwise 5x5, 3x3 in Atto), which is where most pixels have become channels. A stage after
+the first starts with a strided depthwise 3x3 convolution without activation to halve the resolution, and every
+block after a stage's first is residual. The stem reaches stride 4 through two paths, a 2x2 max-pool and two 2x2
 convolutions, concatenated.
 
-The small variants (B0-B3 in D-FINE's and DEIMv2's configs) scale each activation by a learnable affine
+The small variants (B0-B3 and Atto-Pico in D-FINE's and DEIMv2's configs) scale each activation by a learnable affine
 block (``use_lab``: one scalar scale and bias after the activation), which lets the optimiser re-scale a
 thin network's ReLU outputs without touching BatchNorm.
 
 Module names equal the original D-FINE / DEIMv2 ``HGNetv2`` (``stem.stem1.conv``, ``stages.{s}.blocks.{b}
 .layers.{l}``, ``aggregation.{0,1}``, ``bn``, ``lab``), so their backbone files need no renaming;
 transformers' ``HGNetV2Backbone`` names load through :func:`hgnetv2_state_dict_from_transformers` (table
-below). Features come back as ``res{k}`` (stride ``2**k``: ``res3``, ``res4``, ``res5`` by default), the keys
-and the ``out_channels`` attribute :class:`pet.modeling.rtdetr.ResNetVd` gives its encoder, so a detector can
-take either backbone; ``out_strides`` names the strides.
+below). Features come back as ``res{k}`` (stride ``2**k``: ``res3``, ``res4``, ``res5`` by default; ``res3``,
+``res4`` for the three-stage variants, which end at stride 16), the keys and the ``out_channels`` attribute
+:class:`pet.modeling.rtdetr.ResNetVd` gives its encoder, so a detector can take either backbone; ``out_strides`` names
+the strides.
 
 =========================================================  ==================================================
 transformers ``HGNetV2Backbone``                           Pet (= D-FINE's ``HGNetv2``)
@@ -67,8 +69,9 @@ class HGStageSpec:
 
 @dataclass(frozen=True)
 class HGNetV2Spec:
-    """A variant: the stem's two widths (after its first conv, at its output), four stages, and whether the
-    variant's detectors use learnable affine blocks (the default of :class:`HGNetV2`'s ``use_lab``)."""
+    """A variant: the stem's two widths (after its first conv, at its output), its stages (four, or three for
+    DEIMv2's smallest), and whether the variant's detectors use learnable affine blocks (the default of
+    :class:`HGNetV2`'s ``use_lab``)."""
 
     stem_channels: tuple[int, int]
     stages: tuple[HGStageSpec, ...]
@@ -83,7 +86,17 @@ def _variant(stem: tuple[int, int], rows: Sequence[tuple], use_lab: bool) -> HGN
 # in, mid, out channels, blocks, downsample, light block, kernel size, layers per block. ``use_lab`` is what
 # the reference configs set: True for B0 (D-FINE-S/N, DEIMv2-N), B1, B2 (D-FINE-M), B3; absent, so False, for
 # B4 (D-FINE-L), B5 (D-FINE-X), B6. transformers' ``HGNetV2Config()`` defaults are B4 with ``use_lab`` False.
+# Atto, Femto and Pico are DEIMv2's (Intellindust-AI-Lab/DEIMv2, engine/backbone/hgnetv2.py): B0's stem and first two
+# stages, and a third, last stage at stride 16 narrower or shallower than B0's (Atto: 256 wide, 3x3 kernels; Femto:
+# B0's width and kernels, one block; Pico: B0's third stage). Their detectors read that stage alone (return_idx [2])
+# and set use_lab; the authors start them from B0's ImageNet weights where the shapes agree.
 HGNETV2_VARIANTS: dict[str, HGNetV2Spec] = {
+    "Atto": _variant((16, 16), [(16, 16, 64, 1, False, False, 3, 3), (64, 32, 256, 1, True, False, 3, 3),
+                                (256, 64, 256, 1, True, True, 3, 3)], True),
+    "Femto": _variant((16, 16), [(16, 16, 64, 1, False, False, 3, 3), (64, 32, 256, 1, True, False, 3, 3),
+                                 (256, 64, 512, 1, True, True, 5, 3)], True),
+    "Pico": _variant((16, 16), [(16, 16, 64, 1, False, False, 3, 3), (64, 32, 256, 1, True, False, 3, 3),
+                                (256, 64, 512, 2, True, True, 5, 3)], True),
     "B0": _variant((16, 16), [(16, 16, 64, 1, False, False, 3, 3), (64, 32, 256, 1, True, False, 3, 3),
                               (256, 64, 512, 2, True, True, 5, 3), (512, 128, 1024, 1, True, True, 5, 3)], True),
     "B1": _variant((24, 32), [(32, 32, 64, 1, False, False, 3, 3), (64, 48, 256, 1, True, False, 3, 3),
@@ -212,16 +225,17 @@ class HGStage(nn.Module):
 
 
 class HGNetV2(nn.Module):
-    """Stem (stride 4) and four stages (strides 4, 8, 16, 32); returns the stages in ``return_stages`` (0-based,
-    D-FINE's ``return_idx``) as an ordered dict ``res{k}`` -> features of stride ``2**k``.
+    """Stem (stride 4) and four stages (strides 4, 8, 16, 32; three, to stride 16, for Atto, Femto, Pico); returns
+    the stages in ``return_stages`` (0-based, D-FINE's ``return_idx``) as an ordered dict ``res{k}`` -> features of
+    stride ``2**k``.
 
-    ``name``: a variant of :data:`HGNETV2_VARIANTS` (B0-B6). ``use_lab``: learnable affine blocks, None for the
-    variant's reference setting. ``frozen_bn_eps``: FrozenBN with that eps (pre-trained weights, D-FINE's
-    ``freeze_norm``), None for trainable BatchNorm. Stages after the last returned one are built (their weights
-    load) but not run.
+    ``name``: a variant of :data:`HGNETV2_VARIANTS`. ``use_lab``: learnable affine blocks, None for the variant's
+    reference setting. ``return_stages``: None for every stage from stride 8 on (D-FINE's [1, 2, 3]; [1, 2] for a
+    three-stage variant). ``frozen_bn_eps``: FrozenBN with that eps (pre-trained weights, D-FINE's ``freeze_norm``),
+    None for trainable BatchNorm. Stages after the last returned one are built (their weights load) but not run.
     """
 
-    def __init__(self, name: str = "B4", *, use_lab: bool | None = None, return_stages: Sequence[int] = (1, 2, 3),
+    def __init__(self, name: str = "B4", *, use_lab: bool | None = None, return_stages: Sequence[int] | None = None,
                  activation: str = "relu", frozen_bn_eps: float | None = 1e-5) -> None:
         super().__init__()
         if name not in HGNETV2_VARIANTS:
@@ -229,6 +243,8 @@ class HGNetV2(nn.Module):
         if activation not in ACTIVATIONS:
             raise ConfigError(f"HGNetv2 activation '{activation}' is not one of {', '.join(ACTIVATIONS)}")
         spec = HGNETV2_VARIANTS[name]
+        if return_stages is None:
+            return_stages = range(1, len(spec.stages))
         self.return_stages = sorted(set(return_stages))
         if not self.return_stages or not all(0 <= i < len(spec.stages) for i in self.return_stages):
             raise ConfigError(f"HGNetv2 return_stages {list(return_stages)} must name stages 0..{len(spec.stages) - 1}")
@@ -255,9 +271,10 @@ class HGNetV2(nn.Module):
 
 @BACKBONE_REGISTRY.register()
 def hgnetv2(cfg: CfgNode) -> HGNetV2:
-    """``MODEL.BACKBONE.NAME`` (B0-B6) as an HGNetv2 returning res3-res5, with the variant's reference
-    ``use_lab``; ``NORM`` FrozenBN or BN; ``FREEZE_AT`` > 0 freezes the stem and ``FREEZE_AT - 1`` stages
-    (as ``resnet_vd``; D-FINE's ``freeze_at: 0`` with ``freeze_stem_only`` is ``FREEZE_AT 1`` here)."""
+    """``MODEL.BACKBONE.NAME`` (B0-B6, Atto, Femto, Pico) as an HGNetv2 returning res3-res5 (res3, res4 for the
+    three-stage variants), with the variant's reference ``use_lab``; ``NORM`` FrozenBN or BN; ``FREEZE_AT`` > 0
+    freezes the stem and ``FREEZE_AT - 1`` stages (as ``resnet_vd``; D-FINE's ``freeze_at: 0`` with
+    ``freeze_stem_only`` is ``FREEZE_AT 1`` here)."""
     backbone = cfg.MODEL.BACKBONE
     if backbone.NORM not in ("FrozenBN", "BN"):
         raise ConfigError(f"MODEL.BACKBONE.NORM '{backbone.NORM}' is not one hgnetv2 has: FrozenBN or BN")

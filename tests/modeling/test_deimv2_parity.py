@@ -1,17 +1,24 @@
 """DEIMv2 in Pet's modules equals transformers' ``Deimv2ForObjectDetection`` (the reference implementation).
 
-Two models, each with seeded random weights (every tensor perturbed, as tests/modeling/test_dfine_parity.py says why):
+Four models, each with seeded random weights (every tensor perturbed, as tests/modeling/test_dfine_parity.py says why),
+then BatchNorm statistics fitted to the activations on a picture (``calibrated``), so that the encoder's maps vary
+over the image and a slip in the encoder shows in the outputs:
 
 * **N**: the hub's DEIMv2-N (``Intellindust/DEIMv2_HGNetv2_N_COCO``): HGNetv2-B0 with affine blocks, strides 16 and 32,
   128 channels, RepNCSPELAN5 fusion with trailing convs, gateways, the authors' SiLU query-position head, as
   transformers' conversion script configures it, but for 80 queries (the test images have 100 locations);
 * **tiny**: three levels of 32 channels with the other switches: no trailing convs (DEIMv2-M/L/X), no gateway (a
   residual sum and RMSNorm), one box head shared by the layers (Atto/Femto/Pico), the reference's default ReLU query
-  head.
+  head;
+* **atto** and **pico**: the hub's DEIMv2-Atto and -Pico as the conversion script configures them, but for 80
+  queries: the Lite encoder (``encoder_type="lite"``: one stride-16 level, a stride-32 one pooled from it, the
+  global-average-pool fusion, one FPN and one PAN block) on the three-stage HGNetv2-Atto (third stage 256 wide, 3x3
+  kernels) and -Pico (512 wide, two blocks), 64 and 112 channels, 4 + 2 sampling points, no gateway, a shared box
+  head. (Femto is Pico with one block in the last stage; its tensors are checked against the shipped config below.)
 
 For each, the reference's ``state_dict`` loads through the key mapping with nothing missing or left over; the same
-pixels give the same logits, boxes and edge distributions (float32, 1e-4; measured 0) and, in training, every
-layer's outputs; every training loss term (MAL, boxes, FGL, DDF, with dense one-to-one matching; denoising off and
+pixels give the same encoder maps, logits, boxes and edge distributions (float32, 1e-4; measured 0) and, in training,
+every layer's outputs; every training loss term (MAL, boxes, FGL, DDF, with dense one-to-one matching; denoising off and
 on from the same seed) is equal. The losses alone are tests/modeling/test_deimv2_criterion.py's.
 """
 from __future__ import annotations
@@ -24,8 +31,10 @@ import torch
 from pet.checkpoint import load_weights
 from pet.config import load_cfg
 from pet.modeling import build_model
+from pet.utils.errors import ConfigError
 from support.helpers import CFGS
 from support.transformers_detr import (
+    calibrated,
     hgnetv2_config,
     load_reference_weights,
     objects,
@@ -41,11 +50,31 @@ pytestmark = pytest.mark.numeric
 HEIGHT, WIDTH = 128, 160
 NUM_LABELS = 7
 TOLERANCE = 1e-4
+# Each test model's HGNetv2 variant (Pet's MODEL.BACKBONE.NAME).
+BACKBONES = {"N": "B0", "tiny": "B0", "atto": "Atto", "pico": "Pico"}
+# The Lite-encoder hub models (the authors' configs/deimv2/deimv2_hgnetv2_{atto,femto,pico}_coco.yml): backbone
+# channels at stride 16, encoder and decoder width, decoder FFN width, queries.
+LITE = {"Atto": (256, 64, 160, 100), "Femto": (512, 96, 256, 150), "Pico": (512, 112, 320, 200)}
+
+
+def lite_kwargs(backbone: str, num_queries: int | None = None) -> dict:
+    """``Deimv2Config`` arguments of a Lite-encoder model as transformers' conversion script sets them from the
+    authors' config: the backbone's stage 3 alone (their ``return_idx [2]``), ``encoder_layers`` 0, two decoder levels
+    of 4 and 2 points, three decoder layers, no gateway, a shared box head, SiLU query head."""
+    in_channels, dim, ffn_dim, queries = LITE[backbone]
+    return {"backbone_config": hgnetv2_config(backbone, out_indices=(3,)), "encoder_type": "lite",
+            "encoder_layers": 0, "encoder_in_channels": [in_channels], "feat_strides": [16],
+            "encoder_hidden_dim": dim, "d_model": dim, "decoder_in_channels": [dim, dim], "num_feature_levels": 2,
+            "decoder_n_points": [4, 2], "decoder_layers": 3, "decoder_ffn_dim": ffn_dim,
+            "num_queries": num_queries or queries, "hidden_expansion": 0.34, "depth_mult": 0.5, "use_gateway": False,
+            "share_bbox_head": True, "decoder_activation_function": "silu"}
 
 
 def reference_config(variant: str) -> transformers.Deimv2Config:
     kwargs = {"num_labels": NUM_LABELS, "use_pretrained_backbone": False}
-    if variant == "N":
+    if variant in ("atto", "pico"):
+        kwargs.update(lite_kwargs(BACKBONES[variant], num_queries=80))
+    elif variant == "N":
         kwargs.update(backbone_config=hgnetv2_config("B0", out_indices=(3, 4)), num_feature_levels=2,
                       encoder_in_channels=[512, 1024], feat_strides=[16, 32], encode_proj_layers=[1],
                       encoder_hidden_dim=128, encoder_ffn_dim=512, d_model=128, decoder_ffn_dim=512,
@@ -61,11 +90,12 @@ def reference_config(variant: str) -> transformers.Deimv2Config:
     return transformers.Deimv2Config(**kwargs)
 
 
-def pet_config(reference):
+def pet_config(reference, backbone: str = "B0"):
     points = reference.decoder_n_points
     return load_cfg(None, [
         "MODEL.META_ARCHITECTURE", "pet.modeling.dfine.DEIMV2", "MODEL.BACKBONE.TYPE", "hgnetv2",
-        "MODEL.BACKBONE.NAME", "B0", "MODEL.BACKBONE.FREEZE_AT", "0", "MODEL.NUM_CLASSES", str(reference.num_labels),
+        "MODEL.BACKBONE.NAME", backbone, "MODEL.BACKBONE.FREEZE_AT", "0", "MODEL.DFINE.ENCODER", reference.encoder_type,
+        "MODEL.NUM_CLASSES", str(reference.num_labels),
         "MODEL.CHANNELS_LAST", "False", "MODEL.PIXEL_MEAN", "[0.0, 0.0, 0.0]",
         "MODEL.PIXEL_STD", "[255.0, 255.0, 255.0]",
         "MODEL.DFINE.NUM_LEVELS", str(reference.num_feature_levels),
@@ -85,13 +115,15 @@ def pet_config(reference):
         "MODEL.DFINE.FOCAL_GAMMA", str(reference.focal_loss_gamma)])
 
 
-@pytest.fixture(scope="module", params=["N", "tiny"])
+@pytest.fixture(scope="module", params=["N", "tiny", "atto", "pico"])
 def pair(request):
     torch.manual_seed(0)
     reference_cfg = reference_config(request.param)
-    reference = randomised(transformers.Deimv2ForObjectDetection(reference_cfg), seed=1,
-                           scales={"bbox_embed": 0.2}).eval()
-    pet = build_model(pet_config(reference_cfg)).eval()
+    # Statistics fitted after the noise: with randomised's alone the encoder's maps are nearly constant over the image
+    # (spatial std ~1e-4 of maps ~0.05), and a slip in the encoder moves the logits by ~1e-4, about the tolerance.
+    reference = calibrated(randomised(transformers.Deimv2ForObjectDetection(reference_cfg), seed=1,
+                                      scales={"bbox_embed": 0.2}).eval())
+    pet = build_model(pet_config(reference_cfg, BACKBONES[request.param])).eval()
     load_reference_weights(pet, reference)
     return request.param, reference_cfg, reference, pet
 
@@ -99,6 +131,20 @@ def pair(request):
 def pet_outputs(pet, pixels: torch.Tensor) -> dict:
     features = pet.encoder(list(pet.backbone(pet.normalizer(pixels, [(HEIGHT, WIDTH)] * len(pixels))).values()))
     return pet.decoder(features)
+
+
+def test_same_encoder_maps(pair):
+    """The encoder's maps, each level, before the decoder: its parts (the Lite encoder's pooled level, global-average
+    fusion, FPN and PAN blocks) checked where a slip is not damped by the decoder's random weights."""
+    _, _, reference, pet = pair
+    pixels = random_images(HEIGHT, WIDTH, seed=3)
+    with torch.no_grad():
+        expected = reference.model.encoder(reference.model.conv_encoder(pixels.float() / 255)).feature_maps
+        maps = pet.encoder(list(pet.backbone(pet.normalizer(pixels, [(HEIGHT, WIDTH)] * len(pixels))).values()))
+    assert [m.shape for m in maps] == [e.shape for e in expected]
+    for level, (ours, theirs) in enumerate(zip(maps, expected)):
+        assert theirs.std((2, 3)).mean() > 0.5, level  # maps that vary over the image (scale ~10-100)
+        assert (ours - theirs).abs().max() <= TOLERANCE, level
 
 
 def test_same_logits_boxes_and_distributions(pair):
@@ -145,12 +191,18 @@ def test_same_training_losses(pair, denoising):
         torch.testing.assert_close(losses[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_shipped_coco_config_takes_the_hub_checkpoints_tensors():
-    """cfgs/coco/deimv2_hgnetv2_N.yaml builds the model of the hub's DEIMv2-N (80 COCO classes, 300 queries): every
-    tensor of the reference's state_dict has a place of the same shape (both built on the meta device)."""
-    config = reference_config("N")
-    config.num_labels, config.num_queries = 80, 300
-    cfg = load_cfg(os.path.join(CFGS, "coco", "deimv2_hgnetv2_N.yaml"))
+@pytest.mark.parametrize("size", ["N", "Atto", "Femto", "Pico"])
+def test_shipped_coco_config_takes_the_hub_checkpoints_tensors(size):
+    """cfgs/coco/deimv2_hgnetv2_{size}.yaml builds the model of the hub's DEIMv2 checkpoint of that size (80 COCO
+    classes; N 300 queries, Atto / Femto / Pico their configs' 100 / 150 / 200): every tensor of the reference's
+    state_dict has a place of the same shape (both built on the meta device). Atto, Femto and Pico train without
+    dense one-to-one matching and without the distribution losses, as the authors' configs do."""
+    if size == "N":
+        config = reference_config("N")
+        config.num_labels, config.num_queries = 80, 300
+    else:
+        config = transformers.Deimv2Config(num_labels=80, use_pretrained_backbone=False, **lite_kwargs(size))
+    cfg = load_cfg(os.path.join(CFGS, "coco", f"deimv2_hgnetv2_{size}.yaml"))
     with torch.device("meta"):
         reference = transformers.Deimv2ForObjectDetection(config)
         ours = build_model(cfg)
@@ -158,15 +210,29 @@ def test_shipped_coco_config_takes_the_hub_checkpoints_tensors():
     counted = "num_batches_tracked"
     ours = {k: tuple(v.shape) for k, v in ours.state_dict().items() if not k.endswith(counted)}
     assert ours == {k: v for k, v in expected.items() if not k.endswith(counted)}
-    assert cfg.MODEL.DFINE.FOCAL_GAMMA == 1.5 and cfg.MODEL.DFINE.DENSE_ONE_TO_ONE
+    node = cfg.MODEL.DFINE
+    assert node.FOCAL_GAMMA == 1.5 and node.NUM_QUERIES == config.num_queries
+    assert node.DENSE_ONE_TO_ONE == (size == "N") and (node.LOSS_FGL > 0) == (size == "N")
 
 
 def test_a_hub_layout_directory_loads_as_the_state_dict_does(pair, tmp_path):
     """``save_pretrained``'s directory (model.safetensors, the names transformers' files use) through Pet's weight
     loader gives the model the reference's own state_dict gives it."""
-    _, reference_cfg, reference, pet = pair
+    variant, reference_cfg, reference, pet = pair
     reference.save_pretrained(str(tmp_path))
-    loaded = build_model(pet_config(reference_cfg)).eval()
+    loaded = build_model(pet_config(reference_cfg, BACKBONES[variant])).eval()
     assert load_weights(loaded, str(tmp_path), for_inference=True) == {"missing": [], "unexpected": [],
                                                                        "mismatched": []}
     assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in pet.state_dict().items())
+
+
+@pytest.mark.parametrize("opts, message", [
+    (["MODEL.DFINE.ENCODER", "Lite"], "ENCODER 'Lite' is not one of hybrid, lite"),
+    (["MODEL.DFINE.NUM_LEVELS", "3", "MODEL.DFINE.DECODER_POINTS", "[4, 2, 2]"], "NUM_LEVELS 3: the lite encoder"),
+])
+def test_lite_encoder_config_errors_name_the_key(opts, message):
+    """An unknown encoder, or the lite encoder asked for other than two decoder levels, is refused by name."""
+    cfg = load_cfg(os.path.join(CFGS, "coco", "deimv2_hgnetv2_Atto.yaml"),
+                   ["MODEL.BACKBONE.NAME", "B0", "MODEL.DFINE.ENCODER", "lite", *opts])
+    with pytest.raises(ConfigError, match=message):
+        build_model(cfg)
