@@ -65,6 +65,8 @@ _C.DATA.ASPECT_RATIO_GROUPING = True
 # resize, rounded up to INPUT.SIZE_DIVISIBILITY): a mixed batch is padded to its largest image, so
 # the demo's native 192-256 px images convolve ~13% fewer pixels. Needs that size to be known in
 # advance (one INPUT.MIN_SIZE_TRAIN entry, 0 included); with several, batches group by aspect ratio.
+# With INPUT.AUGMENTATIONS, the stored sizes when the pipeline keeps them (flips, colour, mixup,
+# copy-paste), else aspect ratio.
 _C.DATA.SIZE_GROUPING = False
 
 # Input transforms (opencv). Sizes are in pixels.

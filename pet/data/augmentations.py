@@ -44,7 +44,7 @@ from pet.utils.registry import Registry, resolve_spec
 __all__ = [
     "AUGMENTATIONS", "TORCHVISION_TRANSFORMS", "AugmentationPipeline", "ScheduledTransform", "Progress",
     "ExtraSamples", "RandomHorizontalFlip", "RandomVerticalFlip", "RandomIoUCrop", "SanitizeBoundingBoxes",
-    "build_pipeline",
+    "build_pipeline", "keeps_size",
 ]
 
 AUGMENTATIONS = Registry("augmentation")
@@ -57,6 +57,19 @@ TORCHVISION_TRANSFORMS = (
 )
 for _name in TORCHVISION_TRANSFORMS:
     AUGMENTATIONS.register(getattr(v2, _name))
+
+# v2's transforms that never change the image's size: colour, blur, flips, box clean-up.
+_SIZE_KEEPING_TORCHVISION = (v2.RandomPhotometricDistort, v2.ColorJitter, v2.RandomGrayscale, v2.GaussianBlur,
+                             v2.RandomEqualize, v2.RandomHorizontalFlip, v2.RandomVerticalFlip,
+                             v2.ClampBoundingBoxes, v2.SanitizeBoundingBoxes)
+
+
+def keeps_size(transform: Callable) -> bool:
+    """Whether ``transform`` always returns the image at its input's size: v2's colour, blur, flip and box clean-up
+    transforms (Pet's subclasses included), and any transform with ``keeps_size = True`` (Pet's mixup and
+    copy-paste; a plugin's may say so too)."""
+    return bool(getattr(transform, "keeps_size", False)) or isinstance(transform, _SIZE_KEEPING_TORCHVISION)
+
 
 # Keys of an INPUT.AUGMENTATIONS entry that are Pet's schedule, not the transform's arguments.
 SCHEDULE_KEYS = ("until_iter", "until_epoch")
@@ -214,6 +227,11 @@ class AugmentationPipeline:
     def scheduled(self) -> bool:
         """Whether a transform switches off during training (the loader then stamps progress on each key)."""
         return any(s.scheduled for s in self.steps)
+
+    @property
+    def keeps_size(self) -> bool:
+        """Whether every image leaves the pipeline at its stored size (so ``DATA.SIZE_GROUPING`` can group by it)."""
+        return all(keeps_size(s.transform) for s in self.steps)
 
     @property
     def min_images(self) -> int:

@@ -24,6 +24,7 @@ import torch
 from fvcore.common.config import CfgNode
 from torch.utils.data import DataLoader
 
+from pet.data.augmentations import AugmentationPipeline
 from pet.data.balance import log_repeat_factors, repeat_factors
 from pet.data.catalog import get_dataset, register_custom_datasets
 from pet.data.categories import LabelSpace
@@ -187,7 +188,9 @@ def build_train_loader(cfg: CfgNode, mapper: DatasetMapper | AugmentedMapper | N
         raise ConfigError(f"Dataset '{dataset.name}' gives {len(sampler)} images per process and epoch, fewer "
                           f"than the per-process batch of {batch_size}; lower SOLVER.IMS_PER_BATCH.")
     if cfg.DATA.SIZE_GROUPING or cfg.DATA.ASPECT_RATIO_GROUPING:
-        batch_sampler: torch.utils.data.Sampler = GroupedBatchSampler(sampler, _group_ids(cfg, dataset), batch_size)
+        pipeline = mapper.pipeline if isinstance(mapper, AugmentedMapper) else None
+        batch_sampler: torch.utils.data.Sampler = GroupedBatchSampler(sampler, _group_ids(cfg, dataset, pipeline),
+                                                                      batch_size)
     else:
         batch_sampler = BatchSampler(sampler, batch_size, drop_last=True)
     if isinstance(mapper, AugmentedMapper):
@@ -236,12 +239,18 @@ def _training_sampler(cfg: CfgNode, dataset: DetectionDataset, seed: int) -> tor
     return sampler_class(factors, seed)
 
 
-def _group_ids(cfg: CfgNode, dataset: DetectionDataset) -> np.ndarray:
-    """Per image: the index of its padded training size (``DATA.SIZE_GROUPING`` with one training scale),
-    else landscape (1) or portrait (0); both after the INPUT.CROP, when enabled."""
+def _group_ids(cfg: CfgNode, dataset: DetectionDataset, pipeline: AugmentationPipeline | None = None) -> np.ndarray:
+    """Per image: the index of its padded training size (``DATA.SIZE_GROUPING`` with one training scale, or an
+    ``INPUT.AUGMENTATIONS`` ``pipeline`` that keeps every image's size), else landscape (1) or portrait (0); both
+    after the INPUT.CROP, when enabled."""
     scales = tuple(cfg.INPUT.MIN_SIZE_TRAIN)
     sizes = dataset.image_sizes
-    if cfg.INPUT.AUGMENTATIONS:  # the pipeline decides the sizes: group by the source's orientation only
+    divisor = max(cfg.INPUT.SIZE_DIVISIBILITY, 1)
+    if pipeline is not None or cfg.INPUT.AUGMENTATIONS:
+        # The pipeline decides the sizes: its stored ones when it keeps them (flips, colour, mixup), else unknown in
+        # advance, and batches group by the source's orientation only.
+        if cfg.DATA.SIZE_GROUPING and pipeline is not None and pipeline.keeps_size:
+            return np.unique(-(-sizes // divisor), axis=0, return_inverse=True)[1].reshape(-1)
         return (sizes[:, 1] >= sizes[:, 0]).astype(np.int64)
     if cfg.INPUT.CROP.ENABLED:
         sizes = np.minimum(sizes, np.array(crop_size(cfg)))
@@ -249,7 +258,6 @@ def _group_ids(cfg: CfgNode, dataset: DetectionDataset) -> np.ndarray:
         if scales[0] > 0:
             max_size = cfg.INPUT.MAX_SIZE_TRAIN
             sizes = np.array([resized_shape(h, w, scales[0], max_size) for h, w in sizes]).reshape(-1, 2)
-        divisor = max(cfg.INPUT.SIZE_DIVISIBILITY, 1)
         return np.unique(-(-sizes // divisor), axis=0, return_inverse=True)[1].reshape(-1)
     if cfg.DATA.SIZE_GROUPING:
         logger.info(f"DATA.SIZE_GROUPING: sizes vary with the {len(scales)} INPUT.MIN_SIZE_TRAIN scales, "

@@ -203,6 +203,7 @@ class MixUp:
     """
 
     mixes_images = True
+    keeps_size = True
     min_images = 2
 
     def __init__(self, alpha: float = 32.0, beta: float = 32.0, p: float = 1.0) -> None:
@@ -248,6 +249,7 @@ class CopyPaste:
     """
 
     mixes_images = True
+    keeps_size = True
     min_images = 2
 
     def __init__(self, p: float = 1.0, max_fraction: float = 1.0, min_visible: float = 0.1,

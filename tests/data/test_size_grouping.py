@@ -7,6 +7,7 @@ import pytest
 
 from pet.config import load_cfg
 from pet.data import build_train_loader
+from pet.data.augmentations import build_pipeline, keeps_size
 from support.helpers import register_split
 
 
@@ -54,3 +55,29 @@ def test_several_training_scales_fall_back_to_aspect_ratio_groups(shapes_train, 
     assert "batches group by aspect ratio instead" in caplog.text
     for _, targets in batches:
         assert len({t["orig_size"][1] >= t["orig_size"][0] for t in targets}) == 1  # all landscape or all portrait
+
+
+def test_a_pipeline_that_keeps_sizes_groups_by_them(shapes_train):
+    """INPUT.AUGMENTATIONS of flips, colour and mixup leave each image at its stored size, so batches still hold one
+    padded size (mixup stretches the drawn image to the sample's)."""
+    pipeline = "[{type: MixUp, p: 1.0}, {type: RandomPhotometricDistort}, {type: RandomHorizontalFlip}]"
+    loader, batches = _batches(shapes_train, "INPUT.AUGMENTATIONS", pipeline, "DATA.SIZE_GROUPING", "True")
+    assert loader.dataset.mapper.pipeline.keeps_size
+    for images, targets in batches:
+        sizes = [t["image_size"] for t in targets]
+        assert len(_padded(sizes)) == 1, sizes
+        assert tuple(images.shape[-2:]) == next(iter(_padded(sizes)))
+
+
+def test_which_pipelines_keep_sizes():
+    class Plugin:  # a user's transform that says it keeps the size
+        keeps_size = True
+
+        def __call__(self, sample):
+            return sample
+
+    assert build_pipeline([{"type": "RandomHorizontalFlip"}, {"type": "SanitizeBoundingBoxes"},
+                           {"type": "CopyPaste"}, {"type": "ColorJitter", "brightness": 0.2}]).keeps_size
+    assert not build_pipeline([{"type": "RandomHorizontalFlip"}, {"type": "Resize", "size": [64, 64]}]).keeps_size
+    assert not build_pipeline([{"type": "Mosaic", "size": 64}]).keeps_size
+    assert keeps_size(Plugin()) and not keeps_size(lambda sample: sample)
