@@ -9,7 +9,7 @@
     python tools/benchmark.py augmentations [--cfg FILE] [--opts KEY VALUE ...] [--samples 300] [--warmup 20]
                                             [--out FILE]
     python tools/benchmark.py low-data [--models faster_rcnn rtdetr] [--seeds 1 2 3] [--train-images 150]
-                                       [--arms default strong] [--strong-max-iter N]
+                                       [--arms default strong] [--strong lsj|mixup] [--strong-max-iter N]
                                        [--max-iter N] [--out FILE]
     python tools/benchmark.py onnx   [--arch demo faster_rcnn retinanet fcos mask_rcnn rtdetr] [--size 800 1333]
                                      [--batch 1] [--int8 [--calib 8] [--reduce-range] [--weights DEMO_WEIGHTS]]
