@@ -144,7 +144,6 @@ def int8_runs(tmp_path_factory, shapes_set) -> Int8Runs:
 
 
 @pytest.mark.slow
-@pytest.mark.numeric
 def test_int8_calibrated_on_training_images_passes_its_gate_and_is_written(int8_runs):
     run = int8_runs.calibrated
     assert run.returncode == 0, f"{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
@@ -169,7 +168,6 @@ def _quantized_inputs(ir) -> set[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.numeric
 def test_openvino_int8_by_nncf_passes_the_same_gate_and_keeps_the_float_parts_float(int8_runs):
     """--openvino --int8: NNCF's model is written beside the IR after the same AP gate (against the float export in
     OpenVINO), records the gate, the float export it came from and its weights, and quantizes no operation of the
@@ -202,7 +200,6 @@ def test_openvino_int8_by_nncf_passes_the_same_gate_and_keeps_the_float_parts_fl
 
 
 @pytest.mark.slow
-@pytest.mark.numeric
 def test_the_gate_refuses_an_int8_model_calibrated_on_blank_images_with_one_line_and_exit_2(int8_runs):
     run = int8_runs.damaged
     assert run.returncode == 2, f"{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
