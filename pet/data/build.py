@@ -250,7 +250,7 @@ def _group_ids(cfg: CfgNode, dataset: DetectionDataset, pipeline: AugmentationPi
         # The pipeline decides the sizes: its stored ones when it keeps them (flips, colour, mixup), else unknown in
         # advance, and batches group by the source's orientation only.
         if cfg.DATA.SIZE_GROUPING and pipeline is not None and pipeline.keeps_size:
-            return np.unique(-(-sizes // divisor), axis=0, return_inverse=True)[1].reshape(-1)
+            return _padded_size_groups(sizes, divisor)
         return (sizes[:, 1] >= sizes[:, 0]).astype(np.int64)
     if cfg.INPUT.CROP.ENABLED:
         sizes = np.minimum(sizes, np.array(crop_size(cfg)))
@@ -258,11 +258,16 @@ def _group_ids(cfg: CfgNode, dataset: DetectionDataset, pipeline: AugmentationPi
         if scales[0] > 0:
             max_size = cfg.INPUT.MAX_SIZE_TRAIN
             sizes = np.array([resized_shape(h, w, scales[0], max_size) for h, w in sizes]).reshape(-1, 2)
-        return np.unique(-(-sizes // divisor), axis=0, return_inverse=True)[1].reshape(-1)
+        return _padded_size_groups(sizes, divisor)
     if cfg.DATA.SIZE_GROUPING:
         logger.info(f"DATA.SIZE_GROUPING: sizes vary with the {len(scales)} INPUT.MIN_SIZE_TRAIN scales, "
                     "so batches group by aspect ratio instead")
     return (sizes[:, 1] >= sizes[:, 0]).astype(np.int64)
+
+
+def _padded_size_groups(sizes: np.ndarray, divisor: int) -> np.ndarray:
+    """Per image of ``sizes`` ``[N, 2]``: the index of its size rounded up to ``divisor``."""
+    return np.unique(-(-sizes // divisor), axis=0, return_inverse=True)[1].reshape(-1)
 
 
 def build_test_loader(cfg: CfgNode, dataset_name: str, mapper: DatasetMapper | None = None) -> PetDataLoader:

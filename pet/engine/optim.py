@@ -57,19 +57,19 @@ def build_optimizer(cfg: CfgNode, model: torch.nn.Module) -> torch.optim.Optimiz
 def lr_multiplier(cfg: CfgNode, max_iter: int) -> ParamScheduler:
     """The fvcore schedule of the LR multiplier over ``where`` in [0, 1) (warm-up not included)."""
     solver = cfg.SOLVER
+    if solver.LR_POLICY == "step":
+        milestones = [step for step in solver.STEPS if step < max_iter]
+        values = [solver.GAMMA**k for k in range(len(milestones) + 1)]
+        return MultiStepParamScheduler(values, num_updates=max_iter, milestones=milestones)
     cosine = CosineParamScheduler(1.0, solver.COSINE_END_FACTOR)
     flat = min(solver.FLAT_ITERS / max_iter, 1.0) if solver.LR_POLICY == "flat_cosine" else 0.0
+    if flat == 0.0:
+        return cosine
     if flat == 1.0:
         return ConstantParamScheduler(1.0)
-    if flat > 0.0:
-        # DEIM's flat-cosine: the whole learning rate while the model is still finding its objects, the decay after.
-        return CompositeParamScheduler([ConstantParamScheduler(1.0), cosine], lengths=[flat, 1.0 - flat],
-                                       interval_scaling=["rescaled", "rescaled"])
-    if solver.LR_POLICY in ("cosine", "flat_cosine"):
-        return cosine
-    milestones = [step for step in solver.STEPS if step < max_iter]
-    values = [solver.GAMMA**k for k in range(len(milestones) + 1)]
-    return MultiStepParamScheduler(values, num_updates=max_iter, milestones=milestones)
+    # DEIM's flat-cosine: the whole learning rate while the model is still finding its objects, the decay after.
+    return CompositeParamScheduler([ConstantParamScheduler(1.0), cosine], lengths=[flat, 1.0 - flat],
+                                   interval_scaling=["rescaled", "rescaled"])
 
 
 class WarmupLR:
