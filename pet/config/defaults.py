@@ -103,8 +103,9 @@ _C.INPUT.CROP.MIN_VISIBLE = 0.5
 # Training transforms as an ordered list of {type: NAME, <arguments>} (docs/augmentations.md): torchvision.transforms.v2
 # classes (RandomPhotometricDistort, RandomZoomOut, Resize, ScaleJitter, ...), Pet's (RandomHorizontalFlip with the
 # keypoint flip map, RandomIoUCrop, SanitizeBoundingBoxes, Mosaic, MixUp, CopyPaste) or a dotted path to one's own.
-# `until_iter: N` / `until_epoch: E` in an entry switch it off from there on. Empty: the keys above (MIN_SIZE_TRAIN,
-# FLIP_PROB, BRIGHTNESS..., CROP) make the pipeline, as they always did; set, those keys are not used in training.
+# `until_iter: N` / `until_epoch: E` in an entry switch it off from there on, `from_iter` / `from_epoch` switch it on
+# there. Empty: the keys above (MIN_SIZE_TRAIN, FLIP_PROB, BRIGHTNESS..., CROP) make the pipeline, as they always did;
+# set, those keys are not used in training.
 _C.INPUT.AUGMENTATIONS = []
 # (height, width): stretch every test image to it (RT-DETR, YOLO) with torchvision's antialiased bilinear resize.
 # Empty: MIN_SIZE_TEST / MAX_SIZE_TEST keep the aspect ratio.

@@ -17,9 +17,11 @@ What v2 lacks, mixing several images (mosaic, mixup, copy-paste), is in :mod:`pe
 
 An entry of ``INPUT.AUGMENTATIONS`` is ``{type: NAME, <arguments>}``; NAME is a registered class or a dotted
 import path, so a plugin adds its own transform without editing Pet (``@AUGMENTATIONS.register()`` or the path).
-Two keys belong to Pet, not to the transform: ``until_iter: N`` / ``until_epoch: E`` switch it off from
-iteration N / epoch E on (RT-DETR's ``stop_epoch``, YOLO's "close mosaic"). The iteration and epoch come with
-each sample's key from the batch sampler, so a resumed run switches at the same batch as an uninterrupted one.
+Four keys belong to Pet, not to the transform: ``until_iter: N`` / ``until_epoch: E`` switch it off from
+iteration N / epoch E on (RT-DETR's ``stop_epoch``, YOLO's "close mosaic"), ``from_iter`` / ``from_epoch`` switch it
+on there (DEIM's first stage without strong augmentation: its policy epochs ``[4, 78, 148]`` are ``from_epoch: 4``
+with ``until_epoch: 78`` or ``148``). The iteration and epoch come with each sample's key from the batch sampler, so a
+resumed run switches at the same batch as an uninterrupted one.
 
 Random draws come from torch's generator, seeded per sample from the sample's own seed inside
 ``torch.random.fork_rng``: a sample depends on its (index, seed) alone, never on the worker that loads it, and the
@@ -72,7 +74,7 @@ def keeps_size(transform: Callable) -> bool:
 
 
 # Keys of an INPUT.AUGMENTATIONS entry that are Pet's schedule, not the transform's arguments.
-SCHEDULE_KEYS = ("until_iter", "until_epoch")
+SCHEDULE_KEYS = ("from_iter", "until_iter", "from_epoch", "until_epoch")
 
 
 def _visibility(sample: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
@@ -194,19 +196,26 @@ class ExtraSamples:
 
 
 class ScheduledTransform:
-    """A transform on while ``iteration < until_iter`` and ``epoch < until_epoch`` (each when set)."""
+    """A transform on while ``from_iter <= iteration < until_iter`` and ``from_epoch <= epoch < until_epoch`` (each
+    bound when set)."""
 
-    def __init__(self, transform: Callable, until_iter: int | None = None, until_epoch: int | None = None) -> None:
+    def __init__(self, transform: Callable, from_iter: int | None = None, until_iter: int | None = None,
+                 from_epoch: int | None = None, until_epoch: int | None = None) -> None:
         self.transform = transform
-        self.until_iter, self.until_epoch = until_iter, until_epoch
+        self.from_iter, self.until_iter = from_iter, until_iter
+        self.from_epoch, self.until_epoch = from_epoch, until_epoch
 
     def active(self, progress: Progress) -> bool:
-        return ((self.until_iter is None or progress.iteration < self.until_iter)
-                and (self.until_epoch is None or progress.epoch < self.until_epoch))
+        return (_within(progress.iteration, self.from_iter, self.until_iter)
+                and _within(progress.epoch, self.from_epoch, self.until_epoch))
 
     @property
     def scheduled(self) -> bool:
-        return self.until_iter is not None or self.until_epoch is not None
+        return any(bound is not None for bound in (self.from_iter, self.until_iter, self.from_epoch, self.until_epoch))
+
+
+def _within(count: int, start: int | None, stop: int | None) -> bool:
+    return (start is None or count >= start) and (stop is None or count < stop)
 
 
 class AugmentationPipeline:
@@ -225,7 +234,7 @@ class AugmentationPipeline:
 
     @property
     def scheduled(self) -> bool:
-        """Whether a transform switches off during training (the loader then stamps progress on each key)."""
+        """Whether a transform switches on or off during training (the loader then stamps progress on each key)."""
         return any(s.scheduled for s in self.steps)
 
     @property
@@ -258,7 +267,7 @@ class AugmentationPipeline:
 
 def build_pipeline(specs: Sequence[Mapping[str, Any]], *,
                    keypoint_flip_map: Sequence[int] | None = None) -> AugmentationPipeline:
-    """The pipeline of ``INPUT.AUGMENTATIONS`` entries ``{type: NAME, <arguments>, [until_iter|until_epoch]}``.
+    """The pipeline of ``INPUT.AUGMENTATIONS`` entries ``{type: NAME, <arguments>, [from_|until_ iter|epoch]}``.
 
     A wrong name or argument is a :class:`ConfigError` naming the entry (with a did-you-mean for names and
     arguments); ``keypoint_flip_map`` goes to transforms that accept it.
@@ -271,6 +280,11 @@ def build_pipeline(specs: Sequence[Mapping[str, Any]], *,
         kwargs = {str(k).lower(): v for k, v in spec.items() if str(k).lower() != "type"}
         schedule = {k: _count(kwargs.pop(k), f"INPUT.AUGMENTATIONS[{position}].{k}") for k in SCHEDULE_KEYS
                     if k in kwargs}
+        for unit in ("iter", "epoch"):
+            start, stop = schedule.get(f"from_{unit}"), schedule.get(f"until_{unit}")
+            if start is not None and stop is not None and start >= stop:
+                raise ConfigError(f"INPUT.AUGMENTATIONS[{position}] ({cls.__name__}) is never on: from_{unit} "
+                                  f"{start} is not before until_{unit} {stop}.")
         accepted = _accepted(cls)
         if "keypoint_flip_map" in accepted and "keypoint_flip_map" not in kwargs:
             kwargs["keypoint_flip_map"] = keypoint_flip_map

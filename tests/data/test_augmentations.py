@@ -143,6 +143,7 @@ def test_a_transform_of_ones_own_by_dotted_path():
     ({"type": "RandomZoomOut", "fil": 0}, "no argument 'fil'. Did you mean 'fill'"),
     ({"type": "RandomZoomOut", "side_range": [0.5, 1.0]}, r"INPUT.AUGMENTATIONS\[0\] \(RandomZoomOut\)"),
     ({"type": "RandomIoUCrop", "until_epoch": -1}, r"until_epoch must be a whole number"),
+    ({"type": "RandomIoUCrop", "from_iter": 5, "until_iter": 5}, "never on: from_iter 5 is not before until_iter 5"),
     ({"p": 0.5}, "has no 'type'"),
     ("RandomZoomOut", "must be a mapping"),
 ])
@@ -160,7 +161,7 @@ def test_without_augmentations_the_training_mapper_and_keys_are_todays(shapes_ro
 
 
 def _zoom_out_until(cfg, key: str, value: int):
-    """RandomZoomOut doubling every side until ``key`` (until_iter / until_epoch), then nothing."""
+    """RandomZoomOut doubling every side while ``key`` (until_iter / from_iter / until_epoch) allows it."""
     cfg.INPUT.AUGMENTATIONS = [{"type": "RandomZoomOut", "p": 1.0, "side_range": [2.0, 2.0], key: value}]
     return cfg
 
@@ -172,15 +173,16 @@ def _batches(cfg, start: int, count: int) -> list[tuple]:
     return [next(stream) for _ in range(count)]
 
 
-@pytest.mark.parametrize("workers", [0, 1])
-def test_a_scheduled_transform_switches_off_at_its_iteration_and_a_resumed_run_sees_the_same_batches(
-        shapes_root, workers):
+@pytest.mark.parametrize("key, workers", [("until_iter", 0), ("until_iter", 1), ("from_iter", 0)])
+def test_a_scheduled_transform_switches_at_its_iteration_and_a_resumed_run_sees_the_same_batches(
+        shapes_root, key, workers):
     cfg = _zoom_out_until(data_cfg("TRAIN.DATASETS", f"('{register_split(shapes_root, 'train')}',)",
-                                   "SOLVER.IMS_PER_BATCH", 2, "DATA.NUM_WORKERS", workers), "until_iter", 3)
+                                   "SOLVER.IMS_PER_BATCH", 2, "DATA.NUM_WORKERS", workers), key, 3)
     uninterrupted = _batches(cfg, 0, 6)
     sizes = [max(t["image_size"][0] for t in targets) for _, targets in uninterrupted]
-    # Shapes images are 128-256 px: doubled before iteration 3, as they are from then on.
-    assert min(sizes[:3]) >= 256 and max(sizes[3:]) <= 256
+    # Shapes images are 128-256 px: doubled before iteration 3 (until_iter) or from it on (from_iter).
+    doubled, plain = (sizes[:3], sizes[3:]) if key == "until_iter" else (sizes[3:], sizes[:3])
+    assert min(doubled) >= 256 and max(plain) <= 256
     resumed = _batches(cfg, 2, 4)  # resumes before the switch and goes past it
     for (images, targets), (expected_images, expected_targets) in zip(resumed, uninterrupted[2:]):
         assert torch.equal(images, expected_images)

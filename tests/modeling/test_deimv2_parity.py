@@ -213,6 +213,14 @@ def test_shipped_coco_config_takes_the_hub_checkpoints_tensors(size):
     node = cfg.MODEL.DFINE
     assert node.FOCAL_GAMMA == 1.5 and node.NUM_QUERIES == config.num_queries
     assert node.DENSE_ONE_TO_ONE == (size == "N") and (node.LOSS_FGL > 0) == (size == "N")
+    # The authors' policy epochs ([4, 78, 148] for N, [4, 250, 400] for the Lite models): strong transforms on from
+    # epoch 4, mosaic (and N's mixup) off at the middle one, the photometric / zoom-out / IoU-crop trio at the last.
+    mosaic, trio = (78, 148) if size == "N" else (250, 400)
+    expected = {"Mosaic": mosaic, "MixUp": mosaic, "RandomPhotometricDistort": trio, "RandomZoomOut": trio,
+                "RandomIoUCrop": trio}
+    schedules = {a["type"]: (a.get("from_epoch"), a.get("until_epoch")) for a in cfg.INPUT.AUGMENTATIONS
+                 if a["type"] in expected}
+    assert schedules == {t: (4, stop) for t, stop in expected.items() if size == "N" or t != "MixUp"}
 
 
 def test_a_hub_layout_directory_loads_as_the_state_dict_does(pair, tmp_path):
