@@ -178,3 +178,25 @@ def test_a_one_argument_matcher_of_pet_0_2_still_builds_with_a_warning(caplog):
         RTDETR_MATCHER_REGISTRY._obj_map.pop("OldMatcher")
     assert model.matcher.built_the_old_way
     assert "takes (cfg) alone" in caplog.text and "0.4.0" in caplog.text
+
+
+@pytest.mark.parametrize("family", sorted(TINY_TRAINING_DETECTORS))
+def test_under_bfloat16_autocast_the_losses_take_float32_outputs_outside_autocast(family):
+    """Under a bfloat16 training step the decoder runs in bfloat16 but the losses (matching, box distances, the
+    distribution losses' softmax over bins) get its outputs in float32 with autocast off, as the authors' training
+    loops compute them: in bfloat16, D-FINE's distillation loss, a KL divergence, came out negative."""
+    model = build_model(TINY_TRAINING_DETECTORS[family].cfg()).train()
+    seen = {}
+    criterion = model.criterion.forward
+
+    def spy(outputs, targets, matcher):
+        tensors = [outputs["logits"][-1], outputs["boxes"][-1], *outputs.get("corners", [])]
+        seen.update(autocast=torch.is_autocast_enabled("cpu"), dtypes={t.dtype for t in tensors})
+        return criterion(outputs, targets, matcher)
+
+    model.criterion.forward = spy
+    images, targets = detector_batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = model(images, targets)
+    assert seen == {"autocast": False, "dtypes": {torch.float32}}
+    assert all(v.dtype == torch.float32 and torch.isfinite(v) for v in losses.values())

@@ -83,7 +83,11 @@ class QueryDetector(Detector):
         if self.training:
             gt = [normalised_targets(t, height, width, x.dtype) for t in targets]
             outputs = self.decoder(features, gt)
-            return self.criterion(outputs, gt, self.matcher)
+            # The losses outside autocast, on float32 outputs, as the RT-DETR and D-FINE authors' training loops
+            # compute them: matching costs, box distances and D-FINE's softmax over bins lose too much in bfloat16
+            # (its distillation loss, a KL divergence, came out negative; docs/benchmarks/dfine.md has the AP).
+            with torch.autocast(x.device.type, enabled=False):
+                return self.criterion(_at_least_float32(outputs), gt, self.matcher)
         with timed("decoder"):
             outputs = self.decoder(features)
         with timed("postprocess"):
@@ -150,3 +154,14 @@ def normalised_targets(target: dict[str, Any], height: int, width: int,
     boxes = target["boxes"].to(torch.promote_types(dtype, torch.float32))
     scale = torch.tensor([width, height, width, height], dtype=boxes.dtype, device=boxes.device)
     return {"labels": target["labels"] - 1, "boxes": box_convert(boxes, "xyxy", "cxcywh") / scale}
+
+
+def _at_least_float32(value: Any) -> Any:
+    """``value`` (tensors in nested dicts, lists and tuples) with bfloat16 / float16 tensors made float32."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.is_floating_point() and value.dtype.itemsize < 4 else value
+    if isinstance(value, dict):
+        return {k: _at_least_float32(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_at_least_float32(v) for v in value)
+    return value
