@@ -37,7 +37,8 @@ CONFIGS = {"faster_rcnn": "cfgs/shapes/faster_rcnn_R-10-FPN.yaml", "rtdetr": "cf
 
 # The strong pipelines, for the shapes' 192-256 px images. "lsj": photometric distortion with hue, large-scale jitter
 # to a 256 px square (scale 0.5-1.5: objects of 12-96 px become 6-144 px), flip. "mixup": every other image blended
-# with another (both label sets kept), flip, the native sizes kept: a step costs what the default pipeline's does.
+# with another (both label sets kept), flip, the native sizes kept: a step costs what the default pipeline's does;
+# "late-mixup": the same from iteration 400 on.
 STRONG = {
     "lsj": [
         {"type": "RandomPhotometricDistort", "p": 0.5},
@@ -48,6 +49,12 @@ STRONG = {
     ],
     "mixup": [
         {"type": "MixUp", "p": 0.5},
+        {"type": "RandomHorizontalFlip"},
+    ],
+    # Mixup from iteration 400 on, once RT-DETR's box loss has left its early plateau (iterations 300-400 of its
+    # 1000), where 150 images start to be memorised: DEIM's first stage without strong augmentation, in iterations.
+    "late-mixup": [
+        {"type": "MixUp", "p": 0.5, "from_iter": 400},
         {"type": "RandomHorizontalFlip"},
     ],
 }
