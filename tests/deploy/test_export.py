@@ -3,10 +3,10 @@ post-processing inside; onnxruntime then gives the PyTorch model's detections, a
 gate rejects a perturbed graph, and a module that cannot be exported is named with its operation.
 
 The models are tests/support/tiny_exports.py's tiny detectors with random weights. The four exports run through
-tools/export.py (export, then its own parity gate) in this process, once for the module: most of an export's CPU goes
-to torch.export and the ONNX conversion, and a process each would add seconds of imports. OpenVINO's IR of each
-export is checked here too (the IR tests that need one export are tests/deploy/test_openvino.py's), as each other
-exporting architecture's test checks its own export.
+tools/export.py (export, then its own parity gate) in this process, once for the session (Faster R-CNN's serves
+test_openvino.py too): most of an export's CPU goes to torch.export and the ONNX conversion, and a process each would
+add seconds of imports. OpenVINO's IR of each export is checked here too (the IR tests that need one export are
+tests/deploy/test_openvino.py's), as each other exporting architecture's test checks its own export.
 """
 from __future__ import annotations
 
@@ -33,15 +33,17 @@ from pet.modeling.roi_heads import TwoMLPHead
 from pet.utils.errors import PetError
 from pet.utils.files import file_sha256
 from support.against_reference import Tolerance, detection_tensors, match_detections
-from support.helpers import CFGS, run_tool_captured, run_tool_here
+from support.helpers import CFGS, run_tool_captured, run_tool_here, session_shared_folder
 from support.tiny_exports import EXPORT_ARCHS, Exports, assert_openvino_gives_the_pytorch_detections, pytorch_model
 from support.tiny_models import shapes_val_batch
 
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory, shapes_root) -> Exports:
-    """Every architecture exported by tools/export.py (each when a test first asks for it)."""
-    return Exports(tmp_path_factory.mktemp("export"), shapes_root)
+    """Every architecture exported by tools/export.py (each when a test first asks for it, once per session:
+    test_openvino.py's tests use the same Faster R-CNN export)."""
+    return Exports(session_shared_folder(tmp_path_factory, "tiny_exports"), shapes_root,
+                   tmp_path_factory.mktemp("export") / "ckpt")
 
 
 @pytest.mark.slow

@@ -42,7 +42,7 @@ from pet.modeling import build_model
 from pet.utils import cpu as cpu_module
 from pet.utils.errors import DataError, PetError
 from pet.utils.files import file_sha256
-from support.helpers import CFGS, custom_datasets, run_tool, run_tool_captured, run_tool_here
+from support.helpers import CFGS, custom_datasets, run_tool_captured, run_tool_forked, run_tool_here
 from support.tiny_models import TINY_TWO_STAGE, randomize_norms, rescale_layer_output
 
 CFG = os.path.join(CFGS, "shapes", "faster_rcnn_R-10-FPN.yaml")
@@ -218,13 +218,14 @@ def _backend_facts(line: str) -> tuple[str, ...]:
 def test_auto_times_every_export_once_and_test_net_and_predict_run_its_choice(int8_runs, tmp_path):
     """test_net --backend auto times all the candidates here (PyTorch float32, bfloat16 where the CPU has it, the
     four exports), logs them and runs what it chose; predict then reuses that measurement (one machine, one choice).
-    Both run as a user runs them, in their own interpreter: the candidates' runtimes are not loaded into this
+    Both run as a user runs them, each in a process of its own on two threads (forked from the session's fork
+    server, without a fresh interpreter's seconds of imports): the candidates' runtimes are not loaded into this
     process (OpenVINO's threads left in a pytest worker crashed a later test's video decoding there)."""
     opts = [*int8_runs.opts, "TEST.WEIGHTS", int8_runs.weights]
     available = exported_models(load_cfg(CFG, opts))
     assert set(available) == set(ALL) if OPENVINO_HERE else {"onnxruntime float32", "onnxruntime int8"}
-    test_net = run_tool("test_net.py", "--cfg", CFG, "--backend", "auto", *opts, "TEST.DIAGNOSTICS.ENABLED", "False",
-                        check=False)
+    test_net = run_tool_forked("test_net.py", "--cfg", CFG, "--backend", "auto", *opts, "TEST.DIAGNOSTICS.ENABLED",
+                               "False", threads=2, check=False)
     assert test_net.returncode == 0, f"{test_net.stdout[-2000:]}\n{test_net.stderr[-3000:]}"
     with open(os.path.join(int8_runs.ckpt, "log.txt")) as f:
         measured = next(line for line in f if "--backend auto: " in line)
@@ -235,8 +236,8 @@ def test_auto_times_every_export_once_and_test_net_and_predict_run_its_choice(in
     assert metrics["metrics"]["bbox/AP"] > 50
     assert (metrics["backend"], metrics["precision"]) == (_backend_facts(measured)[0], _backend_facts(measured)[-1])
     out = tmp_path / "predict"
-    predict = run_tool("predict.py", "--cfg", CFG, "--input", int8_runs.val_images, "--output", out, "--save", "csv",
-                       "--backend", "auto", *opts, check=False)
+    predict = run_tool_forked("predict.py", "--cfg", CFG, "--input", int8_runs.val_images, "--output", out, "--save",
+                              "csv", "--backend", "auto", *opts, threads=2, check=False)
     assert predict.returncode == 0, f"{predict.stdout[-2000:]}\n{predict.stderr[-3000:]}"
     with open(out / "log.txt") as f:
         reused = next(line for line in f if "--backend auto: " in line)

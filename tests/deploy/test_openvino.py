@@ -6,8 +6,9 @@ names), test_net and predict run the IR, and a missing file or a missing openvin
 Every architecture's IR is checked against the PyTorch model on that architecture's own export, in the test that
 makes it (support.tiny_exports.assert_openvino_gives_the_pytorch_detections: tests/deploy/test_export.py,
 test_rtdetr_export.py, tests/modeling/test_cascade_rcnn.py, test_keypoint_rcnn.py), so no model is exported twice
-for it. The tests here need one export, tests/support/tiny_exports.py's tiny Faster R-CNN. The openvino extra is in
-the test extra, so these tests run in CI; without it they are skipped.
+for it. The tests here need one export, tests/support/tiny_exports.py's tiny Faster R-CNN, the one test_export.py's
+tests check (made once per session, for both files). The openvino extra is in the test extra, so these tests run
+in CI; without it they are skipped.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from pet.predict.labels import ONNX_METADATA_KEY
 from pet.predict.loading import load_inference_model
 from pet.utils.errors import ConfigError, PetError
 from pet.utils.files import file_sha256
-from support.helpers import CFGS, run_tool_here, run_tool_in_process
+from support.helpers import CFGS, run_tool_here, run_tool_in_process, session_shared_folder
 from support.tiny_exports import EXPORT_ARCHS, Export, Exports
 
 # Pet imports openvino only where it runs a model: the skip can come after the imports.
@@ -36,7 +37,9 @@ SHAPES = ["circle", "rectangle", "triangle"]  # the shapes set's categories, the
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory, shapes_root) -> Exports:
-    return Exports(tmp_path_factory.mktemp("openvino"), shapes_root)
+    """test_export.py's exports: Faster R-CNN's is made once per session, for both files."""
+    return Exports(session_shared_folder(tmp_path_factory, "tiny_exports"), shapes_root,
+                   tmp_path_factory.mktemp("openvino") / "ckpt")
 
 
 def _check_and_convert(export: Export, output) -> list[object]:

@@ -65,7 +65,14 @@ def torchvision_coco_model(arch: str) -> torch.nn.Module:
     calibration = [torch.from_numpy(shapes_image(300 + i, 160, 192)[0]).permute(2, 0, 1).float() / 255
                    for i in range(2)]
     sizes = model.transform.min_size, model.transform.max_size
-    model.transform.min_size, model.transform.max_size = (192,), 288  # calibrate cheaply
+    heads = getattr(model, "roi_heads", None)
+    thresholds = (heads.score_thresh, heads.detections_per_img) if heads is not None else None
+    # Calibrate cheaply: small images, and for the two-stage models two detections an image (Mask R-CNN's mask logits
+    # are scaled on theirs; the classifier's logits are those of every proposal, or every anchor, whatever the cap).
+    # Uncapped, the mask head ran on 100 detections an image, twice: 6 s of CPU.
+    model.transform.min_size, model.transform.max_size = (192,), 288
+    if heads is not None:
+        heads.score_thresh, heads.detections_per_img = 0.0, 2
     name, favoured = CLASSIFIERS[arch]
     layer = model.get_submodule(name)
     logits = []
@@ -86,6 +93,8 @@ def torchvision_coco_model(arch: str) -> torch.nn.Module:
             target[0] = 0.0  # background
         layer.bias.view(-1, 91).add_(target - mean)
     model.transform.min_size, model.transform.max_size = sizes
+    if heads is not None:
+        heads.score_thresh, heads.detections_per_img = thresholds
     return model.to(memory_format=torch.channels_last)
 
 

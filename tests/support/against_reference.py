@@ -7,7 +7,8 @@ and the ONNX export tests. (The export's own gate is :mod:`pet.deploy.parity`.)
 
 **Models.** Pet's model is built from ``cfgs/coco/<arch>_R-50-FPN_1x.yaml`` as it ships (R-50, FrozenBN, stem and
 res2 frozen, channels-last, torchvision's thresholds and sampling); only the loader's resize is made small
-(``INPUT.MIN_SIZE_* 192``, ``INPUT.MAX_SIZE_* 288``) to keep the tests cheap. torchvision's reference comes
+(``INPUT.MIN_SIZE_* 192``, ``INPUT.MAX_SIZE_* 288``), and the two-stage models' RoIs sampled per training image
+(:attr:`Arch.roi_batch`, on both sides), to keep the tests cheap. torchvision's reference comes
 from its own builder (``fasterrcnn_resnet50_fpn`` ...) given ImageNet weights, the path a user fine-tuning from
 ImageNet takes (FrozenBatchNorm2d with eps 1e-5, ``trainable_backbone_layers=3``), with
 :func:`imagenet_like_resnet50`'s weights handed to it in place of the download. Its ``min_size`` / ``max_size``
@@ -82,17 +83,20 @@ class Arch(NamedTuple):
     # the fewer detections the other images keep (Mask R-CNN's mask head is the costly part of its tests).
     flat_score: float
     # RoIs sampled per image for the box losses (MODEL.ROI_HEADS.BATCH_SIZE_PER_IMAGE, torchvision's
-    # box_batch_size_per_image) on both sides, when not the shipped config's: Keypoint R-CNN's head runs its eight
-    # 512-channel convolutions in float64 on every positive RoI, a quarter of these.
+    # box_batch_size_per_image) on both sides, when not the shipped config's 512: the box head runs in float64 on
+    # every sampled RoI, and Mask R-CNN's mask head (Keypoint R-CNN's eight 512-channel convolutions) on every
+    # positive one, a quarter of them. With 64 (32) the training images' 25 to 42 positive proposals each are more
+    # than the quota of 16 (8), so the sampler draws among both positives and negatives (with 512 it kept every
+    # positive): the same sampling checked, at a fraction of the float64 convolutions.
     roi_batch: int | None = None
 
 
 _TWO_STAGE = {"rpn.head.cls_logits": 1.0, "rpn.head.bbox_pred": 0.1,
               "roi_heads.box_predictor.cls_score": 1.0, "roi_heads.box_predictor.bbox_pred": 1.0}
 ARCHS = {
-    "faster_rcnn": Arch(torchvision.models.detection.fasterrcnn_resnet50_fpn, _TWO_STAGE, 0.5),
+    "faster_rcnn": Arch(torchvision.models.detection.fasterrcnn_resnet50_fpn, _TWO_STAGE, 0.5, roi_batch=64),
     "mask_rcnn": Arch(torchvision.models.detection.maskrcnn_resnet50_fpn,
-                      {**_TWO_STAGE, "roi_heads.mask_predictor.mask_fcn_logits": 3.0}, 0.05),
+                      {**_TWO_STAGE, "roi_heads.mask_predictor.mask_fcn_logits": 3.0}, 0.05, roi_batch=64),
     # Heatmap logits of std 3: distinct peaks, so that a keypoint moved by one heatmap cell shows. The head (eight
     # 512-channel convolutions per RoI) is the costly part, hence few detections.
     "keypoint_rcnn": Arch(torchvision.models.detection.keypointrcnn_resnet50_fpn,

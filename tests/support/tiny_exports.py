@@ -5,11 +5,13 @@ The models are the shapes configs made tiny (ResNet-18 stages up to 3 or 4, thre
 random weights whose normalisation statistics are random but not trivial, the classifier rescaled so scores vary
 from image to image, and the score threshold set just above the blank image's best score. Each architecture is
 exported when a test first asks for it (an export is ~20 s of CPU, most of it torch.export and the ONNX conversion),
-through tools/export.py in the test's process, so its own parity gate runs too.
+through tools/export.py in the test's process, so its own parity gate runs too, and once per session: the files
+asking for the same architecture share its export, whichever xdist worker runs them (:class:`Exports`).
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 from collections.abc import Iterator, Mapping
@@ -21,7 +23,7 @@ import torch
 from pet.config import load_cfg
 from pet.deploy.parity import ParityReport, check_parity, parity_batches
 from pet.modeling import build_model
-from support.helpers import CFGS, custom_datasets, run_tool_captured
+from support.helpers import CFGS, custom_datasets, made_once, run_tool_captured
 from support.tiny_models import TINY_TWO_STAGE, randomize_norms, rescale_layer_output, shapes_val_batch
 
 
@@ -84,22 +86,38 @@ def pytorch_model(cfg_file: str, opts: list[str], weights: str) -> torch.nn.Modu
 
 class Exports(Mapping[str, Export]):
     """Each architecture exported by tools/export.py when first asked for (the numeric tests, run alone, need only
-    Faster R-CNN's: an export is ~25 s of CPU)."""
+    Faster R-CNN's: an export is ~25 s of CPU), once per session: the weights, the ONNX file and the run's output are
+    kept in ``shared`` (:func:`support.helpers.session_shared_folder`), where another test file, in this process or in
+    another xdist worker, finds them (tests/deploy/test_export.py and test_openvino.py both check Faster R-CNN's).
 
-    def __init__(self, root, shapes_root: str) -> None:
-        self.root, self.found = root, {}
+    What each test file gets is its own: the PyTorch model (built from the weights), and opts naming its own copy of
+    the session's shapes set and ``ckpt``, its own CKPT. The set is the same images in every worker (generated from
+    one seed), so the score threshold found on it is too."""
+
+    def __init__(self, shared, shapes_root: str, ckpt) -> None:
+        self.shared, self.found = shared, {}
         self.data = ["DATA.CUSTOM", custom_datasets(("export_val", f"{shapes_root}/annotations/val.json",
                                                      f"{shapes_root}/val")),
-                     "TEST.DATASETS", "('export_val',)", "CKPT", str(root / "ckpt")]
+                     "TEST.DATASETS", "('export_val',)", "CKPT", str(ckpt)]
 
     def __getitem__(self, arch: str) -> Export:
         if arch not in self.found:
             spec = EXPORT_ARCHS[arch]
-            cfg_file, weights = os.path.join(CFGS, "shapes", spec.config), str(self.root / f"{arch}.pth")
-            opts = save_tiny_weights(arch, cfg_file, [*spec.opts, *self.data], weights)
-            onnx_file = str(self.root / f"{arch}.onnx")
-            run = run_tool_captured("export.py", "--cfg", cfg_file, "--weights", weights, "--output", onnx_file,
-                                    *opts)
+            cfg_file, weights = os.path.join(CFGS, "shapes", spec.config), str(self.shared / f"{arch}.pth")
+            onnx_file, record = str(self.shared / f"{arch}.onnx"), self.shared / f"{arch}.json"
+            with made_once(self.shared / f"{arch}.lock"):
+                if not record.exists():
+                    opts = save_tiny_weights(arch, cfg_file, [*spec.opts, *self.data], weights)
+                    run = run_tool_captured("export.py", "--cfg", cfg_file, "--weights", weights, "--output",
+                                            onnx_file, *opts)
+                    staged = record.with_suffix(".tmp")  # renamed once whole: a record is never half written
+                    staged.write_text(json.dumps({"score_thresh": opts[-1], "args": run.args,
+                                                  "returncode": run.returncode, "stdout": run.stdout,
+                                                  "stderr": run.stderr}))
+                    staged.replace(record)
+            made = json.loads(record.read_text())
+            opts = [*spec.opts, *self.data, spec.score_key, made["score_thresh"]]
+            run = subprocess.CompletedProcess(made["args"], made["returncode"], made["stdout"], made["stderr"])
             self.found[arch] = Export(cfg_file, opts, weights, pytorch_model(cfg_file, opts, weights), onnx_file, run)
         return self.found[arch]
 
