@@ -6,7 +6,6 @@ and constants, imported as ``from support.helpers import ...``.
 """
 from __future__ import annotations
 
-import fcntl
 import io
 import json
 import logging
@@ -20,8 +19,8 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -290,24 +289,12 @@ def _run_in_this_process(monkeypatch: Any, tool: str, args: Sequence[object]) ->
 # ------------------------------------------------------------------------------------------------ shared work
 def session_shared_folder(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
     """A folder ``name`` of this pytest session that all its xdist workers see (the parent of each worker's base
-    temporary folder; without xdist, the base folder itself): work cached there (:func:`made_once`) is done once per
-    session, not once per worker."""
+    temporary folder; without xdist, the base folder itself): work cached there, made under
+    :func:`pet.utils.files.file_lock`, is done once per session, not once per worker."""
     base = tmp_path_factory.getbasetemp()
     folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
     folder.mkdir(parents=True, exist_ok=True)
     return folder
-
-
-@contextmanager
-def made_once(lock_file: Path) -> Iterator[None]:
-    """Hold ``lock_file``'s exclusive lock: one process at a time makes (or finds made) what it guards, the others
-    wait for it; the lock goes with the process, should it die."""
-    with open(lock_file, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 # The start-up FLOP count (pet.utils.model_summary) runs the model once at the test size: ~15 s for an R-50 at 800 px

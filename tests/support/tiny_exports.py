@@ -23,7 +23,8 @@ import torch
 from pet.config import load_cfg
 from pet.deploy.parity import ParityReport, check_parity, parity_batches
 from pet.modeling import build_model
-from support.helpers import CFGS, custom_datasets, made_once, run_tool_captured
+from pet.utils.files import file_lock
+from support.helpers import CFGS, custom_datasets, run_tool_captured
 from support.tiny_models import TINY_TWO_STAGE, randomize_norms, rescale_layer_output, shapes_val_batch
 
 
@@ -105,7 +106,7 @@ class Exports(Mapping[str, Export]):
             spec = EXPORT_ARCHS[arch]
             cfg_file, weights = os.path.join(CFGS, "shapes", spec.config), str(self.shared / f"{arch}.pth")
             onnx_file, record = str(self.shared / f"{arch}.onnx"), self.shared / f"{arch}.json"
-            with made_once(self.shared / f"{arch}.lock"):
+            with file_lock(str(self.shared / f"{arch}.lock")):
                 if not record.exists():
                     opts = save_tiny_weights(arch, cfg_file, [*spec.opts, *self.data], weights)
                     run = run_tool_captured("export.py", "--cfg", cfg_file, "--weights", weights, "--output",
