@@ -24,6 +24,7 @@ from support.against_reference import (
     Tolerance,
     assert_results_match_torchvision,
     assert_same_detections,
+    cheap_calibration,
     check_inference_parity,
     check_training_parity,
     rescale_outputs,
@@ -143,25 +144,13 @@ def torchvision_keypoint_model() -> torch.nn.Module:
     keypoint head's eight 512-channel convolutions). Eval mode, channels-last as Pet runs."""
     torch.manual_seed(0)
     model = ARCHS["keypoint_rcnn"].builder(weights=None, weights_backbone=None).eval()
-    calibration = [torch.from_numpy(shapes_image(300 + i, 160, 192)[0]).permute(2, 0, 1).float() / 255
-                   for i in range(2)]
-    sizes = model.transform.min_size, model.transform.max_size
-    heads = model.roi_heads
-    thresholds = heads.score_thresh, heads.detections_per_img
-    # Calibrate cheaply: small images, and two detections an image for the keypoint head (its heatmaps' scale is
-    # measured on them; the box head's logits are those of every proposal whatever the cap). Uncapped, the head ran
-    # on 100 detections an image, twice: 25 s of CPU.
-    model.transform.min_size, model.transform.max_size = (192,), 288
-    heads.score_thresh, heads.detections_per_img = 0.0, 2
-    layer, logits = heads.box_predictor.cls_score, []
-    with torch.no_grad():
+    layer, logits = model.roi_heads.box_predictor.cls_score, []
+    with cheap_calibration(model) as calibration, torch.no_grad():
         rescale_outputs(model, ARCHS["keypoint_rcnn"].outputs, calibration)
         handle = layer.register_forward_hook(lambda module, args, out: logits.append(out))
         model(calibration)
         handle.remove()
         layer.bias.add_(torch.tensor([0.0, -4.0]) - torch.cat(logits).mean(0))
-    model.transform.min_size, model.transform.max_size = sizes
-    heads.score_thresh, heads.detections_per_img = thresholds
     return model.to(memory_format=torch.channels_last)
 
 

@@ -31,7 +31,13 @@ from pet.config import load_cfg
 from pet.data import coco_categories
 from pet.modeling import build_model
 from pet.utils.errors import ConfigError
-from support.against_reference import ARCHS, assert_results_match_torchvision, rescale_outputs, shapes_image
+from support.against_reference import (
+    ARCHS,
+    assert_results_match_torchvision,
+    cheap_calibration,
+    rescale_outputs,
+    shapes_image,
+)
 from support.helpers import CFGS, SMALL_FLOPS, custom_datasets, run_tool_captured
 
 FAVOURED = (13, 90)  # "stop sign" and "toothbrush": every other class is far below the score thresholds
@@ -62,21 +68,10 @@ def torchvision_coco_model(arch: str) -> torch.nn.Module:
     every other row. Eval mode, channels-last as Pet runs."""
     torch.manual_seed(0)
     model = ARCHS[arch].builder(weights=None, weights_backbone=None, num_classes=91).eval()
-    calibration = [torch.from_numpy(shapes_image(300 + i, 160, 192)[0]).permute(2, 0, 1).float() / 255
-                   for i in range(2)]
-    sizes = model.transform.min_size, model.transform.max_size
-    heads = getattr(model, "roi_heads", None)
-    thresholds = (heads.score_thresh, heads.detections_per_img) if heads is not None else None
-    # Calibrate cheaply: small images, and for the two-stage models two detections an image (Mask R-CNN's mask logits
-    # are scaled on theirs; the classifier's logits are those of every proposal, or every anchor, whatever the cap).
-    # Uncapped, the mask head ran on 100 detections an image, twice: 6 s of CPU.
-    model.transform.min_size, model.transform.max_size = (192,), 288
-    if heads is not None:
-        heads.score_thresh, heads.detections_per_img = 0.0, 2
     name, favoured = CLASSIFIERS[arch]
     layer = model.get_submodule(name)
     logits = []
-    with torch.no_grad():
+    with cheap_calibration(model) as calibration, torch.no_grad():
         rescale_outputs(model, ARCHS[arch].outputs, calibration)
         weight = layer.weight.view(-1, 91, *layer.weight.shape[1:])  # [anchors (one-stage) or 1, 91, ...]
         weight[:, FAVOURED[1]] = weight[:, FAVOURED[0]]  # both favoured classes fire on the same features
@@ -92,9 +87,6 @@ def torchvision_coco_model(arch: str) -> torch.nn.Module:
         if arch in ("faster_rcnn", "mask_rcnn"):
             target[0] = 0.0  # background
         layer.bias.view(-1, 91).add_(target - mean)
-    model.transform.min_size, model.transform.max_size = sizes
-    if heads is not None:
-        heads.score_thresh, heads.detections_per_img = thresholds
     return model.to(memory_format=torch.channels_last)
 
 
