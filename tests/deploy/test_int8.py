@@ -53,6 +53,8 @@ TINY_FASTER_RCNN = [*TINY_TWO_STAGE, "INPUT.MIN_SIZE_TEST", "160", "INPUT.MAX_SI
 # far more fragile than trained ones: the trained demo lost none, docs/benchmarks/cpu-inference.md); blank
 # calibration costs ~95.
 TOLERANCE = "20"
+# The validation images: the AP gate's, and what test_net and predict run on.
+GATE_IMAGES = 10
 # OpenVINO's CPU plugin carries its own oneDNN, which ONEDNN_MAX_CPU_ISA caps too: under .ci/run's held-down SSE4.1
 # (the numeric pass) it cannot compile the model ("bad combination"), and no CPU OpenVINO supports is that one. Its
 # parts of this file run in the README's pass, on the real CPU.
@@ -107,7 +109,7 @@ class Int8Runs:
 
 @pytest.fixture(scope="module")
 def int8_runs(tmp_path_factory, shapes_set) -> Int8Runs:
-    root = shapes_set(num_train=40, num_val=16)
+    root = shapes_set(num_train=28, num_val=GATE_IMAGES)
     work = tmp_path_factory.mktemp("int8")
     ckpt = str(work / "ckpt")
     cfg = load_cfg(CFG, [*TINY_FASTER_RCNN, "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.0"])
@@ -135,7 +137,7 @@ def int8_runs(tmp_path_factory, shapes_set) -> Int8Runs:
     damaged_output = str(work / "damaged" / "model.onnx")
     os.makedirs(os.path.dirname(damaged_output))
     shutil.copy(output, damaged_output)
-    int8 = ["--check-only", "--int8", "--calib", "16", "--int8-tolerance", TOLERANCE]
+    int8 = ["--check-only", "--int8", "--calib", "8", "--int8-tolerance", TOLERANCE]
     calibrated = run_tool_captured("export.py", "--cfg", CFG, "--weights", weights, "--output", output, *int8,
                                    *(["--openvino"] if OPENVINO_HERE else []), *opts)
     damaged = run_tool_captured("export.py", "--cfg", CFG, "--weights", weights, "--output", damaged_output, *int8,
@@ -151,7 +153,7 @@ def test_int8_calibrated_on_training_images_passes_its_gate_and_is_written(int8_
     assert "int8 gate passed: bbox AP" in run.stdout and os.path.isfile(path)
     meta = {p.key: p.value for p in onnx.load(path).metadata_props}
     gate = json.loads(meta["pet.int8.gate"])
-    assert gate["images"] == 16 and gate["dataset"] == "int8_val" and gate["tolerance"] == float(TOLERANCE)
+    assert gate["images"] == GATE_IMAGES and gate["dataset"] == "int8_val" and gate["tolerance"] == float(TOLERANCE)
     assert gate["ap"]["float32"]["bbox"] - gate["ap"]["int8"]["bbox"] <= float(TOLERANCE)
     assert gate["ap"]["float32"]["bbox"] > 90  # the pseudo labels are the float model's own detections
     # What runs int8 is chosen on the selection images; this random model loses AP in some parts.
@@ -162,9 +164,11 @@ def test_int8_calibrated_on_training_images_passes_its_gate_and_is_written(int8_
 
 
 def _quantized_inputs(ir) -> set[str]:
-    """The operations of the OpenVINO model ``ir`` that take an input through a FakeQuantize (run in int8)."""
+    """The operations of the OpenVINO model ``ir`` that take an input through a FakeQuantize (run in int8). A
+    ``ShapeOf`` reading a quantized tensor's shape computes nothing in int8 (and is OpenVINO's node, in no ONNX part),
+    so it is not one of them."""
     return {target.get_node().get_friendly_name() for op in ir.get_ordered_ops() if op.get_type_name() == "FakeQuantize"
-            for target in op.output(0).get_target_inputs()}
+            for target in op.output(0).get_target_inputs() if target.get_node().get_type_name() != "ShapeOf"}
 
 
 @pytest.mark.slow
@@ -184,7 +188,7 @@ def test_openvino_int8_by_nncf_passes_the_same_gate_and_keeps_the_float_parts_fl
     assert os.path.isfile(xml) and os.path.isfile(xml.replace(".xml", ".bin"))
     model = OpenVinoModel(xml)
     gate = json.loads(model.metadata["pet.int8.gate"])
-    assert gate["images"] == 16 and gate["dataset"] == "int8_val"
+    assert gate["images"] == GATE_IMAGES and gate["dataset"] == "int8_val"
     assert gate["ap"]["float32"]["bbox"] > 90 and gate["ap"]["float32"]["bbox"] - gate["ap"]["int8"]["bbox"] <= 20
     assert model.metadata[FLOAT_SHA256_KEY] == file_sha256(float_path)
     assert model.metadata[WEIGHTS_SHA256_KEY] == file_sha256(int8_runs.weights)
@@ -243,7 +247,7 @@ def test_auto_times_every_export_once_and_test_net_and_predict_run_its_choice(in
         reused = next(line for line in f if "--backend auto: " in line)
     assert _backend_facts(reused) == _backend_facts(measured) and "measured earlier on this machine, reused" in reused
     with open(out / "predictions.csv") as f:
-        assert len(f.read().splitlines()) > 16  # the header and detections on the 16 images
+        assert len(f.read().splitlines()) > GATE_IMAGES  # the header and detections on every gate image
 
 
 def test_an_int8_model_is_offered_only_beside_the_float_export_it_was_quantized_from(int8_runs, tmp_path):
