@@ -8,6 +8,8 @@ import pytest
 
 from pet.config import load_cfg
 from pet.modeling import build_model
+from pet.modeling.dfine.encoder import DFineHybridEncoder
+from pet.modeling.rtdetr.encoder import CSPRepLayer, HybridEncoder
 from pet.utils.errors import ConfigError
 from support.tiny_models import TINY_QUERY_DETECTORS
 
@@ -27,7 +29,8 @@ def test_its_path_adds_its_keys_and_its_registered_name_says_to_use_the_path():
     (("MODEL.DFINE.DECODER_POINTS", "[4, 4]"), r"DECODER_POINTS \[4, 4\] needs one number of sampling points per "
                                                 r"level \(MODEL.DFINE.NUM_LEVELS 3\)"),
     (("INPUT.SIZE_DIVISIBILITY", "16"), r"DFINE needs INPUT.SIZE_DIVISIBILITY a multiple of 32, got 16"),
-], ids=["levels", "points", "divisibility"])
+    (("MODEL.DFINE.ENCODER", "lite"), r"MODEL.DFINE.ENCODER 'lite' is not one of hybrid, rtdetr"),
+], ids=["levels", "points", "divisibility", "encoder"])
 def test_what_it_cannot_build_is_one_line_naming_the_key(opts, message):
     with pytest.raises(ConfigError, match=message):
         build_model(TINY.cfg(*opts))
@@ -38,6 +41,20 @@ def test_two_levels_take_the_backbones_last_two():
     model = build_model(TINY.cfg("MODEL.DFINE.NUM_LEVELS", "2", "MODEL.DFINE.DECODER_POINTS", "[6, 6]"))
     assert [p.conv.in_channels for p in model.encoder.input_proj] == list(model.backbone.out_channels[-2:])
     assert model.decoder.layers[0].cross_attn.points == [6, 6]
+
+
+def test_the_rtdetr_encoder_is_rtdetrs_with_the_fusion_blocks_sized_by_d_fines_keys():
+    """``MODEL.DFINE.ENCODER rtdetr``: RT-DETR's CSP-RepVGG fusion blocks and strided 3x3 downsampling, with
+    ``round(3 * DEPTH_MULT)`` RepVGG blocks of ``EXPANSION * HIDDEN_DIM`` channels; the rest of D-FINE unchanged."""
+    cfg = TINY.cfg("MODEL.DFINE.ENCODER", "rtdetr", "MODEL.DFINE.EXPANSION", "0.5", "MODEL.DFINE.DEPTH_MULT", "0.67")
+    encoder = build_model(cfg).encoder
+    dim = cfg.MODEL.DFINE.HIDDEN_DIM
+    assert type(encoder) is HybridEncoder
+    for block in [*encoder.fpn_blocks, *encoder.pan_blocks]:
+        assert isinstance(block, CSPRepLayer) and len(block.blocks) == 2
+        assert block.conv1.conv.out_channels == dim // 2 and block.conv3.conv.out_channels == dim
+    assert all(down.conv.stride == (2, 2) and down.conv.kernel_size == (3, 3) for down in encoder.downsample_convs)
+    assert type(build_model(TINY.cfg()).encoder) is DFineHybridEncoder
 
 
 def test_the_defaults_are_the_references():

@@ -81,10 +81,12 @@ def add_config(cfg: CfgNode) -> None:
     node.LOSS_MAL = 1.0
     node.MAL_ALPHA = 0.0
     node.DENSE_ONE_TO_ONE = True
-    # DEIMv2 only: the encoder. "hybrid" (above: AIFI and CCFM on the last NUM_LEVELS backbone levels) or "lite"
-    # (Atto, Femto, Pico; pet/modeling/dfine/lite_encoder.py): the last backbone level alone (stride 16), a stride-32
-    # level pooled from it, a global-average-pool fusion and one FPN and one PAN block; NUM_LEVELS must be 2, the
-    # ENCODER_LAYERS / _HEADS / _FFN_DIM keys are unused.
+    # The encoder: "hybrid" (above: AIFI and CCFM on the last NUM_LEVELS backbone levels, with the model's own fusion
+    # blocks). D-FINE also takes "rtdetr": RT-DETR's CSP-RepVGG fusion blocks and strided 3x3 downsampling (round(3 *
+    # DEPTH_MULT) RepVGG blocks of EXPANSION * HIDDEN_DIM channels), an ablation of D-FINE's lighter blocks. DEIMv2
+    # also takes "lite" (Atto, Femto, Pico; pet/modeling/dfine/lite_encoder.py): the last backbone level alone
+    # (stride 16), a stride-32 level pooled from it, a global-average-pool fusion and one FPN and one PAN block;
+    # NUM_LEVELS must be 2, the ENCODER_LAYERS / _HEADS / _FFN_DIM keys are unused.
     node.ENCODER = "hybrid"
     # Test time: keep the DETECTIONS_PER_IMAGE best (query, class) scores above SCORE_THRESH_TEST. No NMS.
     node.DETECTIONS_PER_IMAGE = 300

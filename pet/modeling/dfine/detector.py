@@ -25,11 +25,16 @@ from pet.modeling.dfine.decoder import DFineDecoder
 from pet.modeling.dfine.encoder import DFineHybridEncoder
 from pet.modeling.dfine.weights import convert_transformers_state_dict, is_transformers_state_dict
 from pet.modeling.rtdetr.detector import QueryDetector
+from pet.modeling.rtdetr.encoder import HybridEncoder
 from pet.modeling.rtdetr.queries import ContrastiveDenoising
 from pet.modeling.state_dict_names import convert_state_dict
 from pet.utils.errors import ConfigError
 
 __all__ = ["DFINE"]
+
+# MODEL.DFINE.ENCODER's values for D-FINE: its own hybrid encoder, or RT-DETR's (CSP-RepVGG fusion blocks, strided
+# 3x3 downsampling), an ablation of what D-FINE's lighter encoder parts change.
+ENCODERS = ("hybrid", "rtdetr")
 
 
 @META_ARCH_REGISTRY.register()
@@ -71,7 +76,14 @@ class DFINE(QueryDetector):
 
     @staticmethod
     def build_encoder(node: CfgNode, in_channels: list[int]) -> nn.Module:
-        """D-FINE's hybrid encoder on the backbone levels of ``in_channels``."""
+        """``MODEL.DFINE.ENCODER``: D-FINE's hybrid encoder on the backbone levels of ``in_channels``, or RT-DETR's
+        with ``round(3 * DEPTH_MULT)`` RepVGG blocks of ``EXPANSION * HIDDEN_DIM`` channels in each fusion block."""
+        if node.ENCODER not in ENCODERS:
+            raise ConfigError(f"MODEL.DFINE.ENCODER {node.ENCODER!r} is not one of {', '.join(ENCODERS)}.")
+        if node.ENCODER == "rtdetr":
+            return HybridEncoder(in_channels, node.HIDDEN_DIM, num_heads=node.ENCODER_HEADS,
+                                 ffn_dim=node.ENCODER_FFN_DIM, num_layers=node.ENCODER_LAYERS,
+                                 num_blocks=round(3 * node.DEPTH_MULT), expansion=node.EXPANSION)
         return DFineHybridEncoder(in_channels, node.HIDDEN_DIM, num_heads=node.ENCODER_HEADS,
                                   ffn_dim=node.ENCODER_FFN_DIM, num_layers=node.ENCODER_LAYERS,
                                   expansion=node.EXPANSION, depth_mult=node.DEPTH_MULT)
