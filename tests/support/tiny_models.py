@@ -34,11 +34,13 @@ def tiny_rtdetr_cfg(*opts: str):
     return load_cfg(RTDETR_SHAPES_CFG, [*TINY_RTDETR, *opts])
 
 
-# A tiny D-FINE on the shapes config DFINE_SHAPES_CFG (the paper's loss layout, as shipped there), on the tiny RT-DETR's
-# backbone (an 8-channel ResNet-18-vd stem: HGNetv2-B0, the smallest HGNetv2, has 1.8 M parameters and takes
-# torch.export twice as long; the parity tests cover HGNetv2 and transformers' loss layout).
+# A tiny D-FINE on the shapes config DFINE_SHAPES_CFG, on the tiny RT-DETR's backbone (an 8-channel ResNet-18-vd stem:
+# HGNetv2-B0, the smallest HGNetv2, has 1.8 M parameters and takes torch.export twice as long; the parity tests cover
+# HGNetv2 and transformers' loss layout), with D-FINE's own encoder blocks and the paper's loss layout (the shapes
+# config takes RT-DETR's blocks, which RT-DETR's tests export and train, and transformers' layout).
 DFINE_SHAPES_CFG = os.path.join(CFGS, "shapes", "dfine_R-18.yaml")
-TINY_DFINE = ["MODEL.RTDETR.BACKBONE_WIDTH", "8", "MODEL.DFINE.HIDDEN_DIM", "16", "MODEL.DFINE.ENCODER_HEADS", "2",
+TINY_DFINE = ["MODEL.DFINE.ENCODER", "hybrid", "MODEL.DFINE.EXPANSION", "0.5", "MODEL.DFINE.LOSS_LAYOUT", "original",
+              "MODEL.RTDETR.BACKBONE_WIDTH", "8", "MODEL.DFINE.HIDDEN_DIM", "16", "MODEL.DFINE.ENCODER_HEADS", "2",
               "MODEL.DFINE.ENCODER_FFN_DIM", "32",
               "MODEL.DFINE.DECODER_DIM", "16", "MODEL.DFINE.DECODER_LAYERS", "2", "MODEL.DFINE.DECODER_HEADS", "2",
               "MODEL.DFINE.DECODER_FFN_DIM", "32", "MODEL.DFINE.NUM_BINS", "16", "MODEL.DFINE.LQE_HIDDEN_DIM", "16",
