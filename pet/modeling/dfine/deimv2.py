@@ -48,8 +48,6 @@ TRANSFORMERS_TO_PET: list[tuple[str, str]] = [
     *DFINE_TO_PET,
 ]
 _RULES = [(re.compile(pattern), replacement) for pattern, replacement in TRANSFORMERS_TO_PET]
-# MODEL.DFINE.ENCODER's values: transformers' Deimv2Config.encoder_type's.
-ENCODERS = ("hybrid", "lite")
 
 
 def is_transformers_state_dict(state: Mapping[str, torch.Tensor]) -> bool:
@@ -68,12 +66,13 @@ def convert_transformers_state_dict(state: Mapping[str, torch.Tensor]) -> dict[s
 class DEIMV2(DFINE):
     """``forward(images, targets)`` as :class:`pet.modeling.dfine.DFINE`."""
 
+    # MODEL.DFINE.ENCODER's values: transformers' Deimv2Config.encoder_type's.
+    encoders = ("hybrid", "lite")
+
     @staticmethod
     def build_encoder(node: CfgNode, in_channels: list[int]) -> nn.Module:
         """``MODEL.DFINE.ENCODER``: the hybrid encoder on the backbone levels of ``in_channels`` (the last
         ``NUM_LEVELS``), or the Lite encoder on the last of them."""
-        if node.ENCODER not in ENCODERS:
-            raise ConfigError(f"MODEL.DFINE.ENCODER {node.ENCODER!r} is not one of {', '.join(ENCODERS)}.")
         if node.ENCODER == "lite":
             if node.NUM_LEVELS != 2:
                 raise ConfigError(f"MODEL.DFINE.NUM_LEVELS {node.NUM_LEVELS}: the lite encoder gives the decoder two "

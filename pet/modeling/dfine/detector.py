@@ -22,7 +22,7 @@ from torch import nn
 from pet.modeling.build import META_ARCH_REGISTRY
 from pet.modeling.dfine.criterion import DFineCriterion
 from pet.modeling.dfine.decoder import DFineDecoder
-from pet.modeling.dfine.encoder import DFineHybridEncoder
+from pet.modeling.dfine.encoder import DFineHybridEncoder, csp_depth
 from pet.modeling.dfine.weights import convert_transformers_state_dict, is_transformers_state_dict
 from pet.modeling.rtdetr.detector import QueryDetector
 from pet.modeling.rtdetr.encoder import HybridEncoder
@@ -32,10 +32,6 @@ from pet.utils.errors import ConfigError
 
 __all__ = ["DFINE"]
 
-# MODEL.DFINE.ENCODER's values for D-FINE: its own hybrid encoder, or RT-DETR's (CSP-RepVGG fusion blocks, strided
-# 3x3 downsampling), an ablation of what D-FINE's lighter encoder parts change.
-ENCODERS = ("hybrid", "rtdetr")
-
 
 @META_ARCH_REGISTRY.register()
 class DFINE(QueryDetector):
@@ -44,6 +40,9 @@ class DFINE(QueryDetector):
     ``encoder``, ``decoder`` (query selection included) and ``postprocess``."""
 
     score_thresh_key = "MODEL.DFINE.SCORE_THRESH_TEST"
+    # MODEL.DFINE.ENCODER's values (built by build_encoder): D-FINE's own hybrid encoder, or RT-DETR's (CSP-RepVGG
+    # fusion blocks, strided 3x3 downsampling), an ablation of what D-FINE's lighter encoder parts change.
+    encoders = ("hybrid", "rtdetr")
 
     def __init__(self, cfg: CfgNode) -> None:
         if "DFINE" not in cfg.MODEL:
@@ -61,6 +60,8 @@ class DFINE(QueryDetector):
         if len(points) != node.NUM_LEVELS:
             raise ConfigError(f"MODEL.DFINE.DECODER_POINTS {points} needs one number of sampling points per level "
                               f"(MODEL.DFINE.NUM_LEVELS {node.NUM_LEVELS}).")
+        if node.ENCODER not in self.encoders:
+            raise ConfigError(f"MODEL.DFINE.ENCODER {node.ENCODER!r} is not one of {', '.join(self.encoders)}.")
         self.encoder = self.build_encoder(node, levels[-node.NUM_LEVELS:])
         denoising = ContrastiveDenoising(node.DECODER_DIM, self.num_classes, node.NUM_DENOISING,
                                          node.LABEL_NOISE_RATIO, node.BOX_NOISE_SCALE)
@@ -78,12 +79,10 @@ class DFINE(QueryDetector):
     def build_encoder(node: CfgNode, in_channels: list[int]) -> nn.Module:
         """``MODEL.DFINE.ENCODER``: D-FINE's hybrid encoder on the backbone levels of ``in_channels``, or RT-DETR's
         with ``round(3 * DEPTH_MULT)`` RepVGG blocks of ``EXPANSION * HIDDEN_DIM`` channels in each fusion block."""
-        if node.ENCODER not in ENCODERS:
-            raise ConfigError(f"MODEL.DFINE.ENCODER {node.ENCODER!r} is not one of {', '.join(ENCODERS)}.")
         if node.ENCODER == "rtdetr":
             return HybridEncoder(in_channels, node.HIDDEN_DIM, num_heads=node.ENCODER_HEADS,
                                  ffn_dim=node.ENCODER_FFN_DIM, num_layers=node.ENCODER_LAYERS,
-                                 num_blocks=round(3 * node.DEPTH_MULT), expansion=node.EXPANSION)
+                                 num_blocks=csp_depth(node.DEPTH_MULT), expansion=node.EXPANSION)
         return DFineHybridEncoder(in_channels, node.HIDDEN_DIM, num_heads=node.ENCODER_HEADS,
                                   ffn_dim=node.ENCODER_FFN_DIM, num_layers=node.ENCODER_LAYERS,
                                   expansion=node.EXPANSION, depth_mult=node.DEPTH_MULT)

@@ -10,7 +10,13 @@ from torch import nn
 from pet.modeling.rtdetr.encoder import CSPRepLayer, HybridEncoder, RepVggBlock
 from pet.modeling.rtdetr.layers import ConvNorm
 
-__all__ = ["DFineHybridEncoder", "Deimv2HybridEncoder", "RepNCSPELAN4", "RepNCSPELAN5", "SCDown"]
+__all__ = ["DFineHybridEncoder", "Deimv2HybridEncoder", "RepNCSPELAN4", "RepNCSPELAN5", "SCDown", "csp_depth"]
+
+
+def csp_depth(depth_mult: float) -> int:
+    """RepVGG blocks per CSP layer of a fusion block for a depth multiplier, as D-FINE and DEIMv2 round it (N's and
+    S's 0.34: one block; L's 1.0: three)."""
+    return round(3 * depth_mult)
 
 
 class SCDown(nn.Module):
@@ -54,7 +60,7 @@ class DFineHybridEncoder(HybridEncoder):
     def __init__(self, in_channels: list[int], dim: int, *, num_heads: int, ffn_dim: int, num_layers: int,
                  expansion: float, depth_mult: float) -> None:
         super().__init__(in_channels, dim, num_heads=num_heads, ffn_dim=ffn_dim, num_layers=num_layers,
-                         num_blocks=round(3 * depth_mult), expansion=expansion)
+                         num_blocks=csp_depth(depth_mult), expansion=expansion)
 
     def lateral_conv(self) -> nn.Module:
         return ConvNorm(self.dim, self.dim, 1)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pet.modeling.dfine.encoder import RepNCSPELAN5
+from pet.modeling.dfine.encoder import RepNCSPELAN5, csp_depth
 from pet.modeling.rtdetr.layers import ConvNorm
 
 __all__ = ["LiteEncoder"]
@@ -49,7 +49,7 @@ class LiteEncoder(nn.Module):
         self.down_conv1 = ConvNorm(dim, dim, 1, activation="silu")
         self.down_conv2 = ConvNorm(dim, dim, 1, activation="silu")
         self.bi_fusion_conv = ConvNorm(dim, dim, 1, activation="silu")
-        hidden, num_blocks = round(expansion * dim // 2), round(3 * depth_mult)
+        hidden, num_blocks = round(expansion * dim // 2), csp_depth(depth_mult)
         self.fpn_block = RepNCSPELAN5(dim, hidden, num_blocks, trailing_conv)
         self.pan_block = RepNCSPELAN5(dim, hidden, num_blocks, trailing_conv)
 
